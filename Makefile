@@ -1,0 +1,28 @@
+# The two entry points of the README: `make demo` and `make test`.
+PYTHON ?= python3.11
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: demo test install bench clean
+
+$(STAMP): pyproject.toml constraints.txt
+	@command -v $(PYTHON) >/dev/null 2>&1 || { echo "need $(PYTHON) on PATH (set PYTHON=...)"; exit 1; }
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -c constraints.txt -e '.[test]'
+	touch $(STAMP)
+
+install: $(STAMP)
+
+.demo_data/.complete: $(STAMP)
+	$(VENV)/bin/bagel-grain make-sample-data .demo_data
+
+demo: .demo_data/.complete
+	$(VENV)/bin/bagel-grain demo --config configs/demo.yaml
+
+test: $(STAMP)
+	$(PY) -m pytest -x -q tests
+
+clean:
+	rm -rf $(VENV) .demo_data

@@ -1,0 +1,372 @@
+"""BAGEL/NeMo YAML configuration loaded into frozen dataclasses, validated at build time.
+
+An upstream user's YAML loads unchanged: `grouped_datasets` and `dataset_info`
+(inline or as paths to their own YAML files), plus NeMo's top-level packing fields
+(optionally nested under `dataset:`). Paths resolve relative to the file naming them.
+Every error names the file, the group and the key.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import numbers
+import os
+from typing import Any, Mapping
+
+import yaml
+
+from bagel_grain import fs
+from bagel_grain.errors import ConfigError
+from bagel_grain.images import ImageTransform
+
+FAMILIES = ("t2i_pretrain", "unified_edit", "vlm_sft")
+DEFAULT_MAX_PIXELS = 14 * 14 * 9 * 1024  # 1,806,336, upstream's default
+
+
+@dataclasses.dataclass(frozen=True)
+class FrameSamplerArgs:
+  max_num_frames: int = 12
+  min_num_frames: int = 8
+
+
+@dataclasses.dataclass(frozen=True)
+class DatasetSpec:
+  """One entry of `dataset_info`, paths already resolved."""
+
+  name: str
+  data_dir: str
+  jsonl_path: str | None = None
+  parquet_info_path: str | None = None
+  num_used_data: int | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class GroupConfig:
+  """One entry of `grouped_datasets`; its name is its family."""
+
+  name: str
+  datasets: tuple[DatasetSpec, ...]
+  weight: float = 1.0
+  is_mandatory: bool = False
+  image_transform: ImageTransform | None = None
+  vit_image_transform: ImageTransform | None = None
+  frame_sampler: FrameSamplerArgs = FrameSamplerArgs()
+  shuffle_lines: bool = False
+  shuffle_seed: int = 0
+
+  @property
+  def family(self) -> str:
+    return self.name
+
+  @property
+  def vae_transform(self) -> ImageTransform | None:
+    return self.image_transform if self.name in ("t2i_pretrain", "unified_edit") else None
+
+  @property
+  def vit_transform(self) -> ImageTransform | None:
+    if self.name == "vlm_sft":
+      return self.image_transform
+    return self.vit_image_transform if self.name == "unified_edit" else None
+
+
+@dataclasses.dataclass(frozen=True)
+class PipelineConfig:
+  """Everything that shapes the packed stream, plus the knobs that do not."""
+
+  groups: tuple[GroupConfig, ...]
+  tokenizer_path: str | None = None
+  # Upstream packing fields (NeMo's `dataset:` section), upstream defaults.
+  expected_num_tokens: int = 32768
+  max_num_tokens: int = 36864
+  max_num_tokens_per_sample: int = 16384
+  prefer_buffer_before: int = 16384
+  max_buffer_size: int = 50
+  vit_patch_size: int = 14
+  max_num_patch_per_side: int = 70
+  interpolate_pos: bool = False
+  data_seed: int = 42
+  text_cond_dropout_prob: float = 0.1
+  vit_cond_dropout_prob: float = 0.3
+  vae_cond_dropout_prob: float = 0.3
+  vae_image_downsample: int = 16
+  max_latent_size: int = 32
+  # New fields: row capacities (None = derived, see packing.row.default_capacities).
+  vit_patch_capacity: int | None = None
+  vae_token_capacity: int | None = None
+  vae_image_capacity: int | None = None
+  split_capacity: int | None = None
+  num_workers: int = 0
+  num_epochs: int | None = None
+  # Bad-input limits.
+  max_decode_pixels: int = 89_478_485  # Pillow's own default limit
+  allow_truncated_images: bool = False
+  max_consecutive_drops: int = 1000
+
+  @property
+  def vae_image_size(self) -> int:
+    """S: the largest VAE max_image_size, rounded up to the VAE stride."""
+    sizes = [g.vae_transform.max_image_size for g in self.groups if g.vae_transform]
+    if not sizes:
+      return 0
+    d = self.vae_image_downsample
+    return -(-max(sizes) // d) * d
+
+  def group(self, name: str) -> GroupConfig:
+    for g in self.groups:
+      if g.name == name:
+        return g
+    raise KeyError(name)
+
+
+_PACKING_FIELDS = {f.name for f in dataclasses.fields(PipelineConfig)} - {"groups"}
+_GROUP_KEYS = {"dataset_names", "weight", "is_mandatory", "num_used_data",
+               "image_transform_args", "vit_image_transform_args", "frame_sampler_args",
+               "shuffle_lines", "shuffle_seed", "resume_data_status"}
+_INFO_KEYS = {"data_dir", "jsonl_path", "parquet_info_path", "num_files", "num_total_samples"}
+_TRANSFORM_KEYS = {"image_stride", "max_image_size", "min_image_size", "max_pixels"}
+
+
+def _load_yaml(path: str) -> Any:
+  if not fs.exists(path):
+    raise ConfigError("config file not found", file=path)
+  try:
+    return yaml.safe_load(fs.read_bytes(path).decode("utf-8"))
+  except yaml.YAMLError as e:
+    raise ConfigError(f"invalid YAML: {e}", file=path) from None
+
+
+def _section(value: Any, base_dir: str, file: str, key: str) -> tuple[Mapping, str, str]:
+  """An inline mapping, or a path to a YAML file holding it (then paths resolve there)."""
+  if isinstance(value, str):
+    path = fs.resolve(value, base_dir)
+    value = _load_yaml(path)
+    file, base_dir = path, os.path.dirname(path)
+  if not isinstance(value, Mapping):
+    raise ConfigError(f"`{key}` must be a mapping or a path to one", file=file, key=key)
+  return value, base_dir, file
+
+
+def _number(value: Any, kind: type, *, file: str, group: str | None, key: str):
+  ok = isinstance(value, numbers.Real) and not isinstance(value, bool)
+  if kind is int:
+    ok = ok and float(value).is_integer()
+  if not ok:
+    raise ConfigError(f"`{key}` must be a {'whole number' if kind is int else 'number'}, "
+                      f"got {value!r}", file=file, group=group, key=key)
+  return kind(value)
+
+
+def _check_keys(mapping: Mapping, allowed: set[str], *, file: str, group: str | None,
+                where: str):
+  for key in mapping:
+    if key not in allowed:
+      raise ConfigError(f"unknown key in {where}; allowed: {sorted(allowed)}",
+                        file=file, group=group, key=str(key))
+
+
+def _transform(raw: Any, *, file: str, group: str, key: str) -> ImageTransform:
+  if not isinstance(raw, Mapping):
+    raise ConfigError("must be a mapping", file=file, group=group, key=key)
+  _check_keys(raw, _TRANSFORM_KEYS, file=file, group=group, where=key)
+  for required in ("image_stride", "max_image_size", "min_image_size"):
+    if required not in raw:
+      raise ConfigError(f"missing `{required}`", file=file, group=group, key=key)
+  values = {k: _number(v, int, file=file, group=group, key=f"{key}.{k}")
+            for k, v in raw.items()}
+  values.setdefault("max_pixels", DEFAULT_MAX_PIXELS)
+  return ImageTransform(**values)
+
+
+def _datasets(group: str, raw: Mapping, info: Mapping, info_dir: str, info_file: str,
+              file: str) -> tuple[DatasetSpec, ...]:
+  names = raw.get("dataset_names")
+  if not isinstance(names, list) or not names or not all(isinstance(n, str) for n in names):
+    raise ConfigError("`dataset_names` must be a non-empty list of names",
+                      file=file, group=group, key="dataset_names")
+  used = raw.get("num_used_data")
+  if used is None:
+    used = [None] * len(names)
+  if not isinstance(used, list) or len(used) != len(names):
+    raise ConfigError("`num_used_data` needs one entry per dataset name",
+                      file=file, group=group, key="num_used_data")
+  group_info = info.get(group)
+  if not isinstance(group_info, Mapping):
+    raise ConfigError("no entry for this group in `dataset_info`", file=info_file,
+                      group=group, key=group)
+  specs = []
+  for name, n in zip(names, used):
+    entry = group_info.get(name)
+    if not isinstance(entry, Mapping):
+      raise ConfigError(f"dataset {name!r} is not in `dataset_info`", file=info_file,
+                        group=group, key=name)
+    _check_keys(entry, _INFO_KEYS, file=info_file, group=group, where=f"dataset_info.{name}")
+    paths = {}
+    for key in ("data_dir", "jsonl_path", "parquet_info_path"):
+      if key not in entry:
+        continue
+      path = fs.resolve(entry[key], info_dir)
+      if not fs.exists(path):
+        raise ConfigError(f"path does not exist: {path}", file=info_file, group=group,
+                          key=f"{name}.{key}")
+      paths[key] = path
+    if "data_dir" not in paths:
+      raise ConfigError("missing `data_dir`", file=info_file, group=group, key=name)
+    if group == "vlm_sft" and "jsonl_path" not in paths:
+      raise ConfigError("VLM datasets need `jsonl_path`", file=info_file, group=group,
+                        key=f"{name}.jsonl_path")
+    if n is not None:
+      n = _number(n, int, file=file, group=group, key="num_used_data")
+    specs.append(DatasetSpec(name=name, num_used_data=n, **paths))
+  return tuple(specs)
+
+
+def _group(name: str, raw: Any, info: Mapping, info_dir: str, info_file: str,
+           file: str) -> GroupConfig:
+  if name not in FAMILIES:
+    raise ConfigError(f"unknown dataset family; known: {list(FAMILIES)}", file=file,
+                      group=name, key=name)
+  if not isinstance(raw, Mapping):
+    raise ConfigError("a group must be a mapping", file=file, group=name, key=name)
+  _check_keys(raw, _GROUP_KEYS, file=file, group=name, where="grouped_datasets")
+  kwargs: dict[str, Any] = {"name": name}
+  kwargs["datasets"] = _datasets(name, raw, info, info_dir, info_file, file)
+  if "weight" in raw:
+    kwargs["weight"] = _number(raw["weight"], float, file=file, group=name, key="weight")
+    if kwargs["weight"] < 0:
+      raise ConfigError("`weight` must be >= 0", file=file, group=name, key="weight")
+  for key in ("is_mandatory", "shuffle_lines"):
+    if key in raw:
+      if not isinstance(raw[key], bool):
+        raise ConfigError(f"`{key}` must be true or false", file=file, group=name, key=key)
+      kwargs[key] = raw[key]
+  if "shuffle_seed" in raw:
+    kwargs["shuffle_seed"] = _number(raw["shuffle_seed"], int, file=file, group=name,
+                                     key="shuffle_seed")
+  for key, field in (("image_transform_args", "image_transform"),
+                     ("vit_image_transform_args", "vit_image_transform")):
+    if key in raw:
+      kwargs[field] = _transform(raw[key], file=file, group=name, key=key)
+  if "frame_sampler_args" in raw:
+    args = raw["frame_sampler_args"]
+    if not isinstance(args, Mapping):
+      raise ConfigError("must be a mapping", file=file, group=name, key="frame_sampler_args")
+    _check_keys(args, {"max_num_frames", "min_num_frames"}, file=file, group=name,
+                where="frame_sampler_args")
+    kwargs["frame_sampler"] = FrameSamplerArgs(**{
+        k: _number(v, int, file=file, group=name, key=f"frame_sampler_args.{k}")
+        for k, v in args.items()})
+  needed = {"t2i_pretrain": ("image_transform",),
+            "unified_edit": ("image_transform", "vit_image_transform"),
+            "vlm_sft": ("image_transform",)}[name]
+  for field in needed:
+    if field not in kwargs:
+      raise ConfigError(f"this family needs `{field}_args`", file=file, group=name,
+                        key=f"{field}_args")
+  return GroupConfig(**kwargs)
+
+
+def _check_geometry(cfg: PipelineConfig, file: str) -> None:
+  for g in cfg.groups:
+    key = "image_transform_args"
+    vae, vit = g.vae_transform, g.vit_transform
+    if vae is not None:
+      if vae.image_stride != cfg.vae_image_downsample:
+        raise ConfigError(
+            f"VAE transform stride {vae.image_stride} must equal vae_image_downsample "
+            f"{cfg.vae_image_downsample}", file=file, group=g.name, key=f"{key}.image_stride")
+      if vae.max_image_size / cfg.vae_image_downsample > cfg.max_latent_size:
+        raise ConfigError(
+            f"VAE max_image_size {vae.max_image_size} / vae_image_downsample "
+            f"{cfg.vae_image_downsample} exceeds max_latent_size {cfg.max_latent_size}",
+            file=file, group=g.name, key=f"{key}.max_image_size")
+    if vit is not None:
+      vkey = "vit_image_transform_args" if g.name == "unified_edit" else key
+      if vit.image_stride != cfg.vit_patch_size:
+        raise ConfigError(
+            f"ViT transform stride {vit.image_stride} must equal vit_patch_size "
+            f"{cfg.vit_patch_size}", file=file, group=g.name, key=f"{vkey}.image_stride")
+      if vit.max_image_size / cfg.vit_patch_size > cfg.max_num_patch_per_side:
+        raise ConfigError(
+            f"ViT max_image_size {vit.max_image_size} / vit_patch_size {cfg.vit_patch_size} "
+            f"exceeds max_num_patch_per_side {cfg.max_num_patch_per_side}",
+            file=file, group=g.name, key=f"{vkey}.max_image_size")
+  if cfg.max_num_tokens_per_sample > cfg.max_num_tokens:
+    raise ConfigError(
+        f"max_num_tokens_per_sample {cfg.max_num_tokens_per_sample} exceeds max_num_tokens "
+        f"{cfg.max_num_tokens}", file=file, key="max_num_tokens_per_sample")
+  if cfg.expected_num_tokens > cfg.max_num_tokens:
+    raise ConfigError(f"expected_num_tokens {cfg.expected_num_tokens} exceeds max_num_tokens "
+                      f"{cfg.max_num_tokens}", file=file, key="expected_num_tokens")
+  if not any(g.weight > 0 for g in cfg.groups):
+    raise ConfigError("at least one group needs a positive `weight`", file=file,
+                      key="weight")
+
+
+def _top_level(raw: Mapping, file: str, base_dir: str) -> dict[str, Any]:
+  kwargs: dict[str, Any] = {}
+  types = {f.name: f.type for f in dataclasses.fields(PipelineConfig)}
+  for key, value in raw.items():
+    if key not in _PACKING_FIELDS:
+      raise ConfigError(
+          "unknown top-level key; expected `grouped_datasets`, `dataset_info` or one of "
+          f"{sorted(_PACKING_FIELDS)}", file=file, key=str(key))
+    kind = types[key]
+    if value is None and "None" in kind:
+      kwargs[key] = None
+    elif key == "tokenizer_path":
+      kwargs[key] = fs.resolve(str(value), base_dir)
+    elif kind.startswith("bool"):
+      if not isinstance(value, bool):
+        raise ConfigError(f"`{key}` must be true or false", file=file, key=key)
+      kwargs[key] = value
+    elif kind.startswith("float"):
+      kwargs[key] = _number(value, float, file=file, group=None, key=key)
+    else:
+      kwargs[key] = _number(value, int, file=file, group=None, key=key)
+  return kwargs
+
+
+def config_from_dict(raw: Mapping, *, file: str = "<dict>", base_dir: str = ".") -> PipelineConfig:
+  """Builds and validates a config from a parsed YAML mapping."""
+  if not isinstance(raw, Mapping):
+    raise ConfigError("the config must be a mapping", file=file)
+  raw = dict(raw)
+  nested = raw.pop("dataset", None)  # NeMo nests the packing fields under `dataset:`
+  if nested is not None:
+    if not isinstance(nested, Mapping):
+      raise ConfigError("`dataset` must be a mapping", file=file, key="dataset")
+    for key, value in nested.items():
+      if key == "_target_":
+        continue
+      if key in raw:
+        raise ConfigError("key given both at the top level and under `dataset`",
+                          file=file, key=key)
+      raw[key] = value
+  if "grouped_datasets" not in raw and raw and all(k in FAMILIES for k in raw):
+    raise ConfigError("this file holds only `grouped_datasets`; write a config with "
+                      "`grouped_datasets: <this file>` and `dataset_info`", file=file)
+  for key in ("grouped_datasets", "dataset_info"):
+    if key not in raw:
+      raise ConfigError(f"missing `{key}`", file=file, key=key)
+  groups_raw, groups_dir, groups_file = _section(raw.pop("grouped_datasets"), base_dir, file,
+                                                 "grouped_datasets")
+  info, info_dir, info_file = _section(raw.pop("dataset_info"), base_dir, file, "dataset_info")
+  if not groups_raw:
+    raise ConfigError("`grouped_datasets` is empty", file=groups_file, key="grouped_datasets")
+  groups = tuple(_group(name, g, info, info_dir, info_file, groups_file)
+                 for name, g in groups_raw.items())
+  kwargs = _top_level(raw, file, base_dir)
+  cfg = PipelineConfig(groups=groups, **kwargs)
+  _check_geometry(cfg, groups_file)
+  if cfg.tokenizer_path is not None and not fs.exists(cfg.tokenizer_path):
+    raise ConfigError(f"path does not exist: {cfg.tokenizer_path}", file=file,
+                      key="tokenizer_path")
+  return cfg
+
+
+def load_config(path: str | os.PathLike, **overrides: Any) -> PipelineConfig:
+  """Loads a YAML config; keyword overrides replace top-level fields after validation."""
+  path = str(path)
+  raw = _load_yaml(path)
+  cfg = config_from_dict(raw, file=path, base_dir=os.path.dirname(os.path.abspath(path)))
+  return dataclasses.replace(cfg, **overrides) if overrides else cfg

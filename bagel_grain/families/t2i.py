@@ -1,0 +1,50 @@
+"""Text-to-image rows (parquet `image`, `captions`) -> [caption text, loss VAE image]."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+
+from bagel_grain.families.base import Drop, FamilyTransform, require
+from bagel_grain.images import ImageTransform
+from bagel_grain.sample import PlanItem, Sample
+from bagel_grain.sources.records import Record
+
+PLAN = (PlanItem("text", enable_cfg=1, loss=0), PlanItem("vae_image", enable_cfg=0, loss=1))
+COLUMNS = ("image", "captions")
+
+
+def parse_captions(raw) -> list[str]:
+  """The caption dict's values in file order; raises Drop unless a mapping of strings."""
+  require(isinstance(raw, (str, bytes)), "bad_caption", f"captions is {type(raw).__name__}")
+  try:
+    captions = json.loads(raw)
+  except (ValueError, UnicodeDecodeError, RecursionError) as e:
+    raise Drop("bad_caption", f"invalid JSON: {e}"[:200]) from None
+  require(isinstance(captions, dict), "bad_caption", "captions JSON is not a mapping")
+  values = list(captions.values())
+  require(all(isinstance(v, str) for v in values), "bad_caption", "a caption is not a string")
+  return values
+
+
+class T2ITransform(FamilyTransform):
+  """One caption chosen uniformly; an empty caption dict keeps the row with caption " "."""
+
+  def __init__(self, *, vae_transform: ImageTransform, **kwargs):
+    super().__init__(**kwargs)
+    self.vae_transform = vae_transform
+
+  def parse(self, record: Record, rng: np.random.Generator) -> Sample:
+    fields = record.fields
+    require(isinstance(fields, dict), "wrong_type", "row is not a mapping")
+    captions = parse_captions(fields.get("captions"))
+    notes = ()
+    if captions:
+      caption = captions[int(rng.integers(len(captions)))]
+    else:
+      caption, notes = " ", ("empty_caption",)  # upstream: an unconditional sample
+    pixels = self.resize(self.decode(fields.get("image")), self.vae_transform)
+    ids = self.encode(caption)
+    num_tokens = len(ids) + self.image_tokens(pixels, self.vae_transform.image_stride)
+    return Sample(PLAN, (ids,), (pixels,), num_tokens, self.key(record), notes)

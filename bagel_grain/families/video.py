@@ -1,0 +1,77 @@
+"""Video frames for VLM rows: upstream's random frame sampling, read from a frame folder or a file."""
+
+from __future__ import annotations
+
+import re
+
+import numpy as np
+
+from bagel_grain import fs
+from bagel_grain.families.base import Drop
+
+_FRAME_NUMBER = re.compile(r"_(\d+)\.(?:jpe?g|png)$", re.IGNORECASE)
+
+
+def sample_frame_indices(vlen: int, min_frames: int, max_frames: int,
+                         rng: np.random.Generator) -> list[int]:
+  """Upstream's 'rand' sampler: t frames, one random frame per linspace interval.
+
+  t = randint(min, max + 1); interval i is [a_i, a_{i+1} - 1), an empty one sends
+  the whole draw to a sorted random permutation; short clips are padded with the
+  last frame.
+  """
+  t = int(rng.integers(min_frames, max_frames + 1))
+  kept = min(t, vlen)
+  bounds = np.linspace(0, vlen, kept + 1).astype(int)
+  lows, highs = bounds[:-1], bounds[1:] - 1
+  if np.all(highs > lows):
+    indices = [int(rng.integers(lo, hi)) for lo, hi in zip(lows, highs)]
+  else:
+    indices = sorted(int(i) for i in rng.permutation(vlen)[:kept])
+  return indices + [indices[-1]] * (t - len(indices))
+
+
+def frame_folder(folder: str) -> list[str]:
+  """Frames `*_N.jpg` of a folder, in N order."""
+  frames = [(int(m.group(1)), path) for path in fs.list_files(folder)
+            if (m := _FRAME_NUMBER.search(path))]
+  if not frames:
+    raise Drop("video_unreadable", f"no *_N.jpg frames in {folder}")
+  return [path for _, path in sorted(frames)]
+
+
+def read_video_frames(path: str, indices: list[int]):
+  """Frames of a video file as RGB PIL images, through PyAV (the `video` extra)."""
+  try:
+    import av  # pylint: disable=import-outside-toplevel
+  except ImportError:
+    raise Drop("video_unreadable", "video files need PyAV: pip install 'bagel_grain[video]'") from None
+  wanted = set(indices)
+  frames = {}
+  try:
+    with av.open(path) as container:
+      for i, frame in enumerate(container.decode(video=0)):
+        if i in wanted:
+          frames[i] = frame.to_image()
+        if len(frames) == len(wanted):
+          break
+  except (av.error.FFmpegError, OSError, ValueError) as e:
+    raise Drop("video_unreadable", str(e)[:200]) from None
+  if len(frames) != len(wanted):
+    raise Drop("video_unreadable", f"{path}: has fewer frames than its index")
+  return [frames[i] for i in indices]
+
+
+def count_video_frames(path: str) -> int:
+  try:
+    import av  # pylint: disable=import-outside-toplevel
+  except ImportError:
+    raise Drop("video_unreadable", "video files need PyAV: pip install 'bagel_grain[video]'") from None
+  try:
+    with av.open(path) as container:
+      stream = container.streams.video[0]
+      if stream.frames:
+        return int(stream.frames)
+      return sum(1 for _ in container.decode(video=0))
+  except (av.error.FFmpegError, OSError, ValueError, IndexError) as e:
+    raise Drop("video_unreadable", str(e)[:200]) from None

@@ -1,0 +1,132 @@
+"""VLM SFT rows (JSONL + image files, video frames) -> interleaved ViT images and text turns."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+
+from bagel_grain import fs
+from bagel_grain.config import FrameSamplerArgs
+from bagel_grain.families import video
+from bagel_grain.families.base import Drop, FamilyTransform, require
+from bagel_grain.images import ImageTransform, decode_image
+from bagel_grain.sample import PlanItem, Sample
+from bagel_grain.sources.records import Record
+
+IMAGE = PlanItem("vit_image", enable_cfg=0, loss=0)
+PROMPT = PlanItem("text", enable_cfg=0, loss=0)
+ANSWER = PlanItem("text", enable_cfg=0, loss=1)
+
+
+def inside(data_dir: str, relative: str) -> str:
+  """The path of `relative` under `data_dir`; Drop when it would leave the directory."""
+  require(isinstance(relative, str) and relative != "", "wrong_type", "path is not a string")
+  require(not os.path.isabs(relative) and not fs.is_uri(relative) and "\x00" not in relative,
+          "path_outside_data_dir", relative[:200])
+  path = fs.join(data_dir, relative)
+  if fs.is_uri(data_dir):
+    normalised = os.path.normpath(relative)
+    require(normalised != ".." and not normalised.startswith("../"), "path_outside_data_dir",
+            relative[:200])
+    return path
+  root = os.path.realpath(data_dir)
+  real = os.path.realpath(path)  # follows symlinks: a link out of data_dir is refused too
+  require(real == root or real.startswith(root + os.sep), "path_outside_data_dir", relative[:200])
+  return real + (os.sep if relative.endswith("/") else "")
+
+
+def plan_turns(conversations, num_images: int) -> tuple[list[PlanItem], list[str]]:
+  """Plan items and texts of the turns; an image item per `<image>` while images remain."""
+  require(isinstance(conversations, list), "wrong_type", "conversations is not a list")
+  plan, texts, images_left = [], [], num_images
+  for turn in conversations:
+    require(isinstance(turn, dict), "wrong_type", "a turn is not an object")
+    role, value = turn.get("from"), turn.get("value")
+    require(isinstance(value, str), "bad_turn", "a turn's value is not a string")
+    if role == "human":
+      if "<image>" not in value:
+        plan.append(PROMPT)  # upstream keeps such a turn verbatim (not stripped)
+        texts.append(value)
+        continue
+      pieces = value.split("<image>")
+      for i, piece in enumerate(pieces):
+        if piece.strip():
+          plan.append(PROMPT)
+          texts.append(piece.strip())
+        if i < len(pieces) - 1 and images_left > 0:  # extra placeholders are ignored
+          plan.append(IMAGE)
+          images_left -= 1
+    elif role == "gpt":
+      plan.append(ANSWER)
+      texts.append(value)
+  return plan, texts
+
+
+class VLMTransform(FamilyTransform):
+  """BAGEL's SFT parsing: human text split on `<image>`, gpt turns carry the loss.
+
+  `img_num` (the resize's `max_pixels / img_num`) counts every image the row
+  lists; images beyond the placeholders are neither decoded nor packed.
+  """
+
+  def __init__(self, *, vit_transform: ImageTransform, frame_sampler: FrameSamplerArgs,
+               data_dirs: tuple[str, ...], **kwargs):
+    super().__init__(**kwargs)
+    self.vit_transform = vit_transform
+    self.frame_sampler = frame_sampler
+    self.data_dirs = data_dirs
+
+  def _load(self, path: str):
+    try:
+      data = fs.read_bytes(path)
+    except OSError as e:
+      raise Drop("missing_file", str(e)[:200]) from None
+    return decode_image(data, max_pixels_decode=self.max_decode_pixels)
+
+  def _video_frames(self, path: str, rng: np.random.Generator) -> list:
+    args = self.frame_sampler
+    if path.endswith(os.sep) or path.endswith("/"):
+      frames = video.frame_folder(path)
+      indices = video.sample_frame_indices(len(frames), args.min_num_frames,
+                                           args.max_num_frames, rng)
+      return [frames[i] for i in indices]
+    if not fs.exists(path):
+      raise Drop("missing_file", path[:200])
+    indices = video.sample_frame_indices(video.count_video_frames(path), args.min_num_frames,
+                                         args.max_num_frames, rng)
+    return video.read_video_frames(path, indices)
+
+  def parse(self, record: Record, rng: np.random.Generator) -> Sample:
+    try:
+      row = json.loads(record.fields)
+    except (ValueError, UnicodeDecodeError, RecursionError) as e:
+      raise Drop("bad_json", str(e)[:200]) from None
+    require(isinstance(row, dict), "bad_json", "line is not a JSON object")
+    data_dir = self.data_dirs[record.dataset]
+    conversations = row.get("conversations")
+    require(isinstance(conversations, list), "wrong_type", "conversations missing or not a list")
+    images: list = []  # paths, or PIL images for frames of a video file
+    if "image" in row:
+      listed = row["image"] if isinstance(row["image"], list) else [row["image"]]
+      images = [inside(data_dir, p) for p in listed]
+    elif "video" in row:
+      images = self._video_frames(inside(data_dir, row["video"]), rng)
+      placeholder = "<image>" * len(images)
+      conversations = [
+          {**t, "value": t["value"].replace("<video>", placeholder)}
+          if isinstance(t, dict) and t.get("from") == "human" and isinstance(t.get("value"), str)
+          else t for t in conversations]
+    plan, texts = plan_turns(conversations, len(images))
+    require(any(item.loss for item in plan), "no_loss_item")
+    used = sum(item.type == "vit_image" for item in plan)
+    notes = ("unused_images",) if used < len(images) else ()
+    pixels = []
+    for image in images[:used]:
+      decoded = self._load(image) if isinstance(image, str) else image
+      pixels.append(self.resize(decoded, self.vit_transform, img_num=len(images)))
+    text_ids = tuple(self.tokenizer.encode_batch(texts))
+    num_tokens = sum(len(t) for t in text_ids) + sum(
+        self.image_tokens(p, self.vit_transform.image_stride) for p in pixels)
+    return Sample(tuple(plan), text_ids, tuple(pixels), num_tokens, self.key(record), notes)

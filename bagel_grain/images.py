@@ -1,0 +1,175 @@
+"""Image decoding, mode handling and BAGEL's resize rule (DESIGN.md sections 3 and 7)."""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import os
+import struct
+import warnings
+
+import numpy as np
+from PIL import Image, ImageFile
+
+from bagel_grain.errors import BagelGrainError
+
+DEFAULT_MAX_PIXELS = 14 * 14 * 9 * 1024
+
+_REASONS = ("bad_image", "too_many_pixels", "truncated_image")
+
+
+class ImageError(BagelGrainError):
+  """An image that cannot become pixels; `reason` is the stats key it is counted under."""
+
+  def __init__(self, reason: str, message: str = ""):
+    if reason not in _REASONS:
+      raise ValueError(f"unknown ImageError reason {reason!r}")
+    super().__init__(f"{reason}: {message}" if message else reason)
+    self.reason = reason
+
+
+@dataclasses.dataclass(frozen=True)
+class ImageTransform:
+  """Upstream's `image_transform_args`: size bounds, stride and pixel budget."""
+
+  max_image_size: int
+  min_image_size: int
+  image_stride: int
+  max_pixels: int = DEFAULT_MAX_PIXELS
+
+
+def _apply_scale(w: int, h: int, scale: float, stride: int) -> tuple[int, int]:
+  """Scale, then snap each edge to the nearest multiple of stride (at least one stride)."""
+  def snap(v: float) -> int:
+    return max(stride, int(round(round(v) / stride) * stride))
+  return snap(w * scale), snap(h * scale)
+
+
+def resize_size(w: int, h: int, transform: ImageTransform, img_num: int = 1) -> tuple[int, int]:
+  """Output (width, height) of upstream's MaxLongEdgeMinShortEdgeResize.
+
+  Steps, in upstream's order: bound the long edge by max and the short edge by min
+  (min wins), snap to the stride; if the area is over `max_pixels / img_num`,
+  rescale by the *area* ratio (upstream's rule, not its square root, so this
+  shrinks much more than needed); if the long edge is still over max, rescale
+  once more. Each later step works on the already snapped size.
+  """
+  t = transform
+  scale = max(min(t.max_image_size / max(w, h), 1.0), t.min_image_size / min(w, h))
+  w, h = _apply_scale(w, h, scale, t.image_stride)
+  budget = t.max_pixels / img_num
+  if w * h > budget:
+    w, h = _apply_scale(w, h, budget / (w * h), t.image_stride)
+  if max(w, h) > t.max_image_size:
+    w, h = _apply_scale(w, h, t.max_image_size / max(w, h), t.image_stride)
+  return w, h
+
+
+def _is_high_bit(mode: str) -> bool:
+  return mode in ("I", "F") or mode.startswith("I;16")
+
+
+def _to_8bit(img: Image.Image) -> Image.Image:
+  """Map 16-bit, 32-bit and float grey images to 8 bit (L, or RGBA when keyed).
+
+  Pillow's convert("RGB") clips I, I;16 and F values to 0..255 (a 16-bit photo
+  turns almost white, a 0..1 float one black) instead of rescaling. Integer modes
+  are read as 16-bit samples (what 16-bit PNG / TIFF decode to) and scaled by
+  1/257; F has no fixed range, so its own min..max is stretched to 0..255. A
+  transparency key becomes alpha so to_rgb can composite it. Upstream would let
+  Pillow clip; no golden covers these modes.
+  """
+  a = np.asarray(img)
+  x = a.astype(np.float64)
+  if img.mode == "F":
+    finite = x[np.isfinite(x)]
+    lo, hi = (float(finite.min()), float(finite.max())) if finite.size else (0.0, 0.0)
+    x = np.nan_to_num((x - lo) * (255.0 / (hi - lo)) if hi > lo else np.zeros_like(x))
+  else:
+    x = x / 257.0
+  grey = np.clip(np.rint(x), 0, 255).astype(np.uint8)
+  key = img.info.get("transparency")
+  if key is None or isinstance(key, (bytes, tuple)):
+    return Image.fromarray(grey, mode="L")
+  alpha = np.where(a == key, 0, 255).astype(np.uint8)
+  return Image.fromarray(np.stack([grey, grey, grey, alpha], axis=-1), mode="RGBA")
+
+
+def to_rgb(img: Image.Image) -> Image.Image:
+  """Upstream's pil_img2rgb: composite RGBA / transparency-keyed images on white, else convert.
+
+  LA keeps upstream's behaviour: alpha is dropped, not composited. High bit depth
+  grey modes are first scaled to 8 bit (see _to_8bit).
+  """
+  if _is_high_bit(img.mode):
+    img = _to_8bit(img)
+  if img.mode == "RGBA" or "transparency" in img.info:
+    rgba = img.convert("RGBA")
+    white = Image.new("RGBA", rgba.size, (255, 255, 255, 255))
+    return Image.alpha_composite(white, rgba).convert("RGB")
+  return img.convert("RGB")
+
+
+def enable_truncated_images() -> None:
+  """Process-wide opt-in to decode truncated files; call once at build time, never at import."""
+  ImageFile.LOAD_TRUNCATED_IMAGES = True
+
+
+def decode_image(data: bytes, *, max_pixels_decode: int, allow_truncated: bool = False) -> Image.Image:
+  """Decode encoded bytes to an RGB image, checking the header size before decoding.
+
+  Raises ImageError with reason "too_many_pixels" (header over the cap, or a Pillow
+  decompression-bomb signal, so the effective cap is also bounded by Pillow's
+  `Image.MAX_IMAGE_PIXELS`), "truncated_image" or "bad_image". Pillow's globals
+  are left untouched (the local warnings.catch_warnings is itself process-wide
+  before Python 3.14; it only escalates DecompressionBombWarning).
+  `allow_truncated` only documents intent: decoding a truncated file needs the
+  process-wide `enable_truncated_images()` switch, which the pipeline sets once
+  at build time. EXIF orientation is not applied (upstream does not apply it).
+  """
+  del allow_truncated  # Governed by the process-wide switch; see the docstring.
+  try:
+    with warnings.catch_warnings():
+      warnings.simplefilter("error", Image.DecompressionBombWarning)
+      img = Image.open(io.BytesIO(data))
+      w, h = img.size
+      if w * h > max_pixels_decode:
+        raise ImageError("too_many_pixels", f"{w}x{h} > {max_pixels_decode} pixels")
+      img.load()
+      return to_rgb(img)
+  except ImageError:
+    raise
+  except (Image.DecompressionBombError, Image.DecompressionBombWarning) as e:
+    raise ImageError("too_many_pixels", str(e)) from e
+  except OSError as e:
+    msg = str(e)
+    if "truncated" in msg.lower():  # Pillow: "image file is truncated", "Truncated File Read"
+      raise ImageError("truncated_image", msg) from e
+    raise ImageError("bad_image", msg) from e
+  except (ValueError, SyntaxError, struct.error, EOFError, IndexError, TypeError,
+          MemoryError, ZeroDivisionError, KeyError) as e:
+    raise ImageError("bad_image", f"{type(e).__name__}: {e}") from e
+
+
+def decode_image_file(path: str | os.PathLike, *, max_pixels_decode: int,
+                      allow_truncated: bool = False) -> Image.Image:
+  """decode_image on a local file's bytes; a missing or unreadable file is an OSError."""
+  with open(path, "rb") as f:
+    data = f.read()
+  return decode_image(data, max_pixels_decode=max_pixels_decode, allow_truncated=allow_truncated)
+
+
+def resize_image(img: Image.Image, transform: ImageTransform, img_num: int = 1) -> np.ndarray:
+  """Resize an RGB image by the BAGEL rule with PIL bicubic; uint8 HWC contiguous array."""
+  if img.mode != "RGB":
+    img = to_rgb(img)
+  size = resize_size(img.width, img.height, transform, img_num)
+  if size != img.size:  # Pillow's same-size resize is a plain copy: skipping is identical.
+    img = img.resize(size, Image.BICUBIC)
+  return np.ascontiguousarray(np.asarray(img, dtype=np.uint8))
+
+
+def load_and_resize(data: bytes, transform: ImageTransform, img_num: int = 1, *,
+                    max_pixels_decode: int) -> np.ndarray:
+  """Decode, convert to RGB and resize in one call (the families' hot path)."""
+  return resize_image(decode_image(data, max_pixels_decode=max_pixels_decode), transform, img_num)

@@ -1,0 +1,53 @@
+"""Sample -> laid-out sample, with its dropout decisions and timesteps drawn from its key.
+
+Runs element-wise beside the family transform (in worker processes when there are
+any), so the main process only concatenates layouts into rows.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import grain
+import numpy as np
+
+from bagel_grain.packing.layout import Geometry, SampleLayout, SpecialTokens, draw_sample_choices
+from bagel_grain.packing.layout import layout_sample
+from bagel_grain.sample import Dropped, Sample, SampleKey
+
+_CHOICES_STREAM = 0x5A3B1E  # separates these draws from every other use of the seed
+
+
+@dataclasses.dataclass(frozen=True)
+class PreparedSample:
+  """What the packer needs of a sample: its budget size, its layout and its key."""
+
+  key: SampleKey
+  packed_size: int  # upstream's estimate: num_tokens + 2 * len(plan)
+  layout: SampleLayout
+  notes: tuple[str, ...] = ()
+
+
+def sample_rng(seed: int, key: SampleKey) -> np.random.Generator:
+  """The per-sample generator for packing-time choices, keyed by (seed, sample key)."""
+  return np.random.default_rng([seed, _CHOICES_STREAM, key.group, key.index])
+
+
+@dataclasses.dataclass(frozen=True)
+class PrepareSample(grain.transforms.Map):
+  seed: int
+  geometry: Geometry
+  special: SpecialTokens
+  text_cond_dropout_prob: float
+  vit_cond_dropout_prob: float
+  vae_cond_dropout_prob: float
+
+  def map(self, element: Sample | Dropped) -> PreparedSample | Dropped:
+    if isinstance(element, Dropped):
+      return element
+    drops, timesteps = draw_sample_choices(
+        element.plan, sample_rng(self.seed, element.key), text_p=self.text_cond_dropout_prob,
+        vit_p=self.vit_cond_dropout_prob, vae_p=self.vae_cond_dropout_prob)
+    layout = layout_sample(element.plan, element.text_ids, element.images, cfg_drops=drops,
+                           timesteps=timesteps, geometry=self.geometry, special=self.special)
+    return PreparedSample(element.key, element.packed_size, layout, element.notes)

@@ -1,0 +1,180 @@
+"""The builder: config -> per-group MapDatasets -> MixPack IterDataset -> batches of rows.
+
+Reads like the data's path: source, epoch shuffle and process shard, family
+transform, sample preparation, then the packer and the batcher.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+from typing import Any, Sequence
+
+import grain
+import numpy as np
+
+from bagel_grain import images
+from bagel_grain.config import PipelineConfig
+from bagel_grain.families.edit import COLUMNS as EDIT_COLUMNS
+from bagel_grain.families.edit import EditTransform
+from bagel_grain.families.t2i import COLUMNS as T2I_COLUMNS
+from bagel_grain.families.t2i import T2ITransform
+from bagel_grain.families.vlm import VLMTransform
+from bagel_grain.packing.layout import Geometry
+from bagel_grain.packing.mixpack import MixPackDataset, MixPackIterator, PackingSpec
+from bagel_grain.packing.prepare import PrepareSample
+from bagel_grain.packing.row import Capacities, default_capacities, empty_row
+from bagel_grain.sources.jsonl import JsonlLineSource
+from bagel_grain.sources.parquet import ParquetRowSource, dataset_files
+from bagel_grain.sources.records import ConcatSource, ShuffledRecords
+
+
+def group_seed(seed: int, group: int) -> int:
+  """A group's own seed for its record order and its family's RNG."""
+  return int(np.random.SeedSequence([seed, group]).generate_state(1)[0])
+
+
+def _source(cfg: PipelineConfig, group: int) -> ConcatSource:
+  g = cfg.groups[group]
+  if g.family == "vlm_sft":
+    return ConcatSource([
+        JsonlLineSource(d.jsonl_path, num_used=d.num_used_data, shuffle_lines=g.shuffle_lines,
+                        shuffle_seed=g.shuffle_seed) for d in g.datasets])
+  columns = T2I_COLUMNS if g.family == "t2i_pretrain" else EDIT_COLUMNS
+  return ConcatSource([ParquetRowSource(dataset_files(d.data_dir, d.num_used_data), columns)
+                       for d in g.datasets])
+
+
+def _family(cfg: PipelineConfig, group: int, tokenizer):
+  g = cfg.groups[group]
+  common = dict(group=group, tokenizer=tokenizer, max_decode_pixels=cfg.max_decode_pixels)
+  if g.family == "t2i_pretrain":
+    return T2ITransform(vae_transform=g.vae_transform, **common)
+  if g.family == "unified_edit":
+    return EditTransform(vae_transform=g.vae_transform, vit_transform=g.vit_transform, **common)
+  return VLMTransform(vit_transform=g.vit_transform, frame_sampler=g.frame_sampler,
+                      data_dirs=tuple(d.data_dir for d in g.datasets), **common)
+
+
+def group_dataset(cfg: PipelineConfig, group: int, tokenizer, *, seed: int,
+                  process_index: int = 0, process_count: int = 1) -> grain.MapDataset:
+  """One group's prepared samples, element i = the key (group, i) of this process."""
+  gseed = group_seed(seed, group)
+  records = ShuffledRecords(_source(cfg, group), seed=gseed, process_index=process_index,
+                            process_count=process_count, num_epochs=cfg.num_epochs)
+  geometry = Geometry(cfg.vit_patch_size, cfg.vae_image_downsample, cfg.max_num_patch_per_side,
+                      cfg.max_latent_size, cfg.interpolate_pos)
+  prepare = PrepareSample(seed, geometry, tokenizer.special, cfg.text_cond_dropout_prob,
+                          cfg.vit_cond_dropout_prob, cfg.vae_cond_dropout_prob)
+  return records.random_map(_family(cfg, group, tokenizer), seed=gseed).map(prepare)
+
+
+def capacities(cfg: PipelineConfig) -> Capacities:
+  """Row capacities: the config's where set, else derived (see `default_capacities`)."""
+  d = cfg.vae_image_downsample
+  vae = [g.vae_transform for g in cfg.groups if g.vae_transform]
+  min_tokens = min(((t.min_image_size // d) ** 2 for t in vae), default=1)
+  caps = default_capacities(cfg.max_num_tokens, cfg.vae_image_size or d, d, min_tokens,
+                            cfg.vit_patch_size)
+  overrides = {name: value for name, value in (
+      ("vit_patches", cfg.vit_patch_capacity), ("vae_tokens", cfg.vae_token_capacity),
+      ("vae_images", cfg.vae_image_capacity), ("splits", cfg.split_capacity))
+               if value is not None}
+  return dataclasses.replace(caps, **overrides)
+
+
+def fingerprint(cfg: PipelineConfig, tokenizer, *, seed: int, process_index: int,
+                process_count: int) -> dict[str, Any]:
+  """What shapes the stream; a restore under a different one is refused, naming the field."""
+  shaping = dataclasses.asdict(dataclasses.replace(cfg, num_workers=0))
+  config_hash = hashlib.sha256(json.dumps(shaping, sort_keys=True, default=str).encode())
+  return {"config": config_hash.hexdigest()[:16], "tokenizer": tokenizer.fingerprint(),
+          "seed": int(seed), "process_index": int(process_index),
+          "process_count": int(process_count)}
+
+
+def stack_rows(rows: Sequence[dict[str, Any]], *, batch_size: int,
+               caps: Capacities) -> dict[str, Any]:
+  """B rows -> one batch; a short final batch (finite epochs) is padded with empty rows."""
+  rows = list(rows)
+  keys = [row["sample_keys"] for row in rows]
+  while len(rows) < batch_size:
+    rows.append(empty_row(caps))
+    keys.append(())
+  batch = {name: np.stack([row[name] for row in rows])
+           for name in rows[0] if name != "sample_keys"}
+  batch["sample_keys"] = keys
+  return batch
+
+
+class _StackRows:
+  """Picklable batch function bound to a batch size and capacities."""
+
+  def __init__(self, batch_size: int, caps: Capacities):
+    self.batch_size, self.caps = batch_size, caps
+
+  def __call__(self, rows):
+    return stack_rows(rows, batch_size=self.batch_size, caps=self.caps)
+
+
+def build_packer(cfg: PipelineConfig, tokenizer, *, seed: int | None = None,
+                 process_index: int = 0, process_count: int = 1,
+                 workers: int | None = None) -> MixPackDataset:
+  """The unbatched stream of packed rows."""
+  seed = cfg.data_seed if seed is None else seed
+  if cfg.allow_truncated_images:
+    images.enable_truncated_images()  # process-wide Pillow switch, applied at build time
+  groups = [group_dataset(cfg, g, tokenizer, seed=seed, process_index=process_index,
+                          process_count=process_count) for g in range(len(cfg.groups))]
+  spec = PackingSpec(
+      group_names=tuple(g.name for g in cfg.groups),
+      weights=tuple(g.weight for g in cfg.groups),
+      mandatory=tuple(g.is_mandatory for g in cfg.groups),
+      records_per_epoch=tuple(_records_per_epoch(ds) for ds in groups),
+      expected_num_tokens=cfg.expected_num_tokens,
+      max_num_tokens=cfg.max_num_tokens,
+      max_num_tokens_per_sample=cfg.max_num_tokens_per_sample,
+      prefer_buffer_before=cfg.prefer_buffer_before,
+      max_buffer_size=cfg.max_buffer_size,
+      capacities=capacities(cfg),
+      seed=seed,
+      process_index=process_index,
+      max_consecutive_drops=cfg.max_consecutive_drops,
+      fingerprint=fingerprint(cfg, tokenizer, seed=seed, process_index=process_index,
+                              process_count=process_count),
+      workers=cfg.num_workers if workers is None else workers)
+  return MixPackDataset(groups, spec)
+
+
+def _records_per_epoch(ds: grain.MapDataset) -> int:
+  """Records per epoch of a group dataset built by `group_dataset`."""
+  while not isinstance(ds, ShuffledRecords):
+    ds = ds._parent  # pylint: disable=protected-access
+  return ds.records_per_epoch
+
+
+def build_pipeline(cfg: PipelineConfig, tokenizer, *, seed: int | None = None,
+                   process_index: int = 0, process_count: int = 1, batch_size: int = 1,
+                   workers: int | None = None) -> grain.IterDataset:
+  """The Grain dataset of batches: dicts of `[batch_size, ...]` numpy arrays + `sample_keys`.
+
+  The stream is a pure function of (config, tokenizer, seed, process_index,
+  process_count); `workers` (default: the config's `num_workers`) only sets how
+  many processes decode ahead.
+  """
+  packer = build_packer(cfg, tokenizer, seed=seed, process_index=process_index,
+                        process_count=process_count, workers=workers)
+  return packer.batch(batch_size, batch_fn=_StackRows(batch_size, packer.spec.capacities))
+
+
+def packer_iterator(iterator: grain.DatasetIterator) -> MixPackIterator:
+  """The MixPack iterator inside a pipeline iterator (for `stats()`)."""
+  while not isinstance(iterator, MixPackIterator):
+    iterator = iterator._parent  # pylint: disable=protected-access
+  return iterator
+
+
+def pipeline_stats(iterator: grain.DatasetIterator) -> dict[str, Any]:
+  """The packer's counters (drawn, packed, dropped by reason, epochs) of a running pipeline."""
+  return packer_iterator(iterator).stats()

@@ -1,0 +1,152 @@
+"""A group's records in epoch-wise blocked shuffle order, sharded by process.
+
+Element `i` of the resulting MapDataset is the record the stream sees i-th: its
+index is the sample key Grain seeds the family's RNG with. Each epoch permutes
+the source's blocks (parquet row groups; single lines for JSONL) and the rows
+inside each block, so a pass reads every row group once.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+import threading
+from typing import Any, Sequence
+
+import grain
+import numpy as np
+import pyarrow as pa
+
+from bagel_grain.errors import DatasetError
+
+
+@dataclasses.dataclass(frozen=True)
+class Record:
+  """One raw record and where it comes from; `error` set when it could not be read."""
+
+  index: int
+  epoch: int
+  record_id: str
+  dataset: int  # which of the group's datasets (for its data_dir)
+  fields: Any = None
+  error: str | None = None
+
+
+class ConcatSource:
+  """Several datasets of one group, one after another; records know their dataset."""
+
+  def __init__(self, sources: Sequence):
+    self._sources = list(sources)
+    self._offsets = np.concatenate([[0], np.cumsum([len(s) for s in sources])]).astype(np.int64)
+
+  def __len__(self) -> int:
+    return int(self._offsets[-1])
+
+  def locate(self, index: int) -> tuple[int, int]:
+    """(dataset number, index within that dataset)."""
+    if not 0 <= index < len(self):
+      raise IndexError(index)
+    d = int(np.searchsorted(self._offsets, index, side="right")) - 1
+    return d, index - int(self._offsets[d])
+
+  def blocks(self) -> list[tuple[int, int]]:
+    return [(int(o) + a, int(o) + b) for o, s in zip(self._offsets, self._sources)
+            for a, b in s.blocks()]
+
+  def record_id(self, index: int) -> str:
+    d, i = self.locate(index)
+    return self._sources[d].record_id(i)
+
+  def __getitem__(self, index: int):
+    d, i = self.locate(index)
+    return self._sources[d][i]
+
+
+def shard_blocks(blocks: Sequence[tuple[int, int]], process_index: int,
+                 process_count: int) -> list[tuple[int, int]]:
+  """A contiguous, disjoint share of the blocks for one process.
+
+  With fewer blocks than processes the blocks are split into single rows first,
+  so that every process still gets records.
+  """
+  if len(blocks) < process_count:
+    blocks = [(i, i + 1) for a, b in blocks for i in range(a, b)]
+  if len(blocks) < process_count:
+    raise DatasetError(f"{len(blocks)} records cannot be shared by {process_count} processes")
+  parts = np.array_split(np.arange(len(blocks)), process_count)[process_index]
+  return [blocks[i] for i in parts]
+
+
+class ShuffledRecords(grain.MapDataset):
+  """Process-local records, reshuffled each epoch; endless when `num_epochs` is None."""
+
+  def __init__(self, source: ConcatSource, *, seed: int, process_index: int = 0,
+               process_count: int = 1, num_epochs: int | None = None):
+    super().__init__()
+    self._source = source
+    blocks = shard_blocks(source.blocks(), process_index, process_count)
+    self._block_start = np.asarray([a for a, _ in blocks], np.int64)
+    self._block_len = np.asarray([b - a for a, b in blocks], np.int64)
+    self._per_epoch = int(self._block_len.sum())
+    if self._per_epoch == 0:
+      raise DatasetError("the group has no records")
+    self._seed = seed
+    self._process_index = process_index
+    self._num_epochs = num_epochs
+    self._orders: dict[int, np.ndarray] = {}
+    self._lock = threading.Lock()
+
+  def __getstate__(self):
+    state = self.__dict__.copy()
+    state["_orders"], state["_lock"] = {}, None
+    return state
+
+  def __setstate__(self, state):
+    self.__dict__.update(state)
+    self._lock = threading.Lock()
+
+  @property
+  def records_per_epoch(self) -> int:
+    return self._per_epoch
+
+  def __len__(self) -> int:
+    if self._num_epochs is None:
+      return sys.maxsize
+    return self._per_epoch * self._num_epochs
+
+  def __str__(self) -> str:
+    return f"ShuffledRecords(records_per_epoch={self._per_epoch}, epochs={self._num_epochs})"
+
+  def _order(self, epoch: int) -> np.ndarray:
+    with self._lock:
+      order = self._orders.get(epoch)
+    if order is not None:
+      return order
+    rng = np.random.default_rng([self._seed, self._process_index, epoch])
+    blocks = rng.permutation(len(self._block_start))
+    lens = self._block_len[blocks]
+    block_of_row = np.repeat(np.arange(len(blocks)), lens)
+    first_row = np.repeat(np.cumsum(lens) - lens, lens)
+    rows = np.repeat(self._block_start[blocks], lens) + np.arange(len(block_of_row)) - first_row
+    # Rows keep their block's place; inside a block they are ordered by a random key.
+    order = rows[np.lexsort((rng.random(len(rows)), block_of_row))]
+    with self._lock:
+      self._orders[epoch] = order
+      for old in [e for e in self._orders if e < epoch - 1]:
+        del self._orders[old]
+    return order
+
+  def __getitem__(self, index):
+    if isinstance(index, slice):
+      return self.slice(index)
+    if not 0 <= index < len(self):
+      raise IndexError(index)
+    epoch, position = divmod(index, self._per_epoch)
+    source_index = int(self._order(epoch)[position])
+    dataset, _ = self._source.locate(source_index)
+    record_id = self._source.record_id(source_index)
+    try:
+      fields = self._source[source_index]
+    except (OSError, pa.ArrowException) as e:  # a file that became unreadable mid-run
+      return Record(index, epoch, record_id, dataset, error="unreadable_file:" + str(e)[:200])
+    return Record(index, epoch, record_id, dataset, fields)
