@@ -1,6 +1,6 @@
 """bagel_grain: BAGEL's multimodal data pipeline (mix, greedy packing) on Grain, for JAX.
 
-Importing the package loads no JAX; `bagel_grain.jax` holds the device side.
+The host side is numpy only; `bagel_grain.jax` holds the device side.
 """
 
 from bagel_grain.config import PipelineConfig, load_config

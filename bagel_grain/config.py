@@ -17,10 +17,9 @@ import yaml
 
 from bagel_grain import fs
 from bagel_grain.errors import ConfigError
-from bagel_grain.images import ImageTransform
+from bagel_grain.images import DEFAULT_MAX_PIXELS, ImageTransform
 
 FAMILIES = ("t2i_pretrain", "unified_edit", "vlm_sft")
-DEFAULT_MAX_PIXELS = 14 * 14 * 9 * 1024  # 1,806,336, upstream's default
 
 
 @dataclasses.dataclass(frozen=True)
@@ -369,4 +368,7 @@ def load_config(path: str | os.PathLike, **overrides: Any) -> PipelineConfig:
   path = str(path)
   raw = _load_yaml(path)
   cfg = config_from_dict(raw, file=path, base_dir=os.path.dirname(os.path.abspath(path)))
-  return dataclasses.replace(cfg, **overrides) if overrides else cfg
+  if overrides:
+    cfg = dataclasses.replace(cfg, **overrides)
+    _check_geometry(cfg, path)
+  return cfg
