@@ -24,7 +24,7 @@ from bagel_grain.families.vlm import VLMTransform
 from bagel_grain.packing.layout import Geometry
 from bagel_grain.packing.mixpack import MixPackDataset, MixPackIterator, PackingSpec
 from bagel_grain.packing.prepare import PrepareSample
-from bagel_grain.packing.row import Capacities, default_capacities, empty_row
+from bagel_grain.packing.row import Capacities, default_capacities
 from bagel_grain.sources.jsonl import JsonlLineSource
 from bagel_grain.sources.parquet import ParquetRowSource, dataset_files
 from bagel_grain.sources.records import ConcatSource, ShuffledRecords
@@ -94,34 +94,10 @@ def fingerprint(cfg: PipelineConfig, tokenizer, *, seed: int, process_index: int
           "process_count": int(process_count)}
 
 
-def stack_rows(rows: Sequence[dict[str, Any]], *, batch_size: int,
-               caps: Capacities) -> dict[str, Any]:
-  """B rows -> one batch; a short final batch (finite epochs) is padded with empty rows."""
-  rows = list(rows)
-  keys = [row["sample_keys"] for row in rows]
-  while len(rows) < batch_size:
-    rows.append(empty_row(caps))
-    keys.append(())
-  batch = {name: np.stack([row[name] for row in rows])
-           for name in rows[0] if name != "sample_keys"}
-  batch["sample_keys"] = keys
-  return batch
-
-
-class _StackRows:
-  """Picklable batch function bound to a batch size and capacities."""
-
-  def __init__(self, batch_size: int, caps: Capacities):
-    self.batch_size, self.caps = batch_size, caps
-
-  def __call__(self, rows):
-    return stack_rows(rows, batch_size=self.batch_size, caps=self.caps)
-
-
 def build_packer(cfg: PipelineConfig, tokenizer, *, seed: int | None = None,
                  process_index: int = 0, process_count: int = 1,
-                 workers: int | None = None) -> MixPackDataset:
-  """The unbatched stream of packed rows."""
+                 workers: int | None = None, batch_size: int | None = None) -> MixPackDataset:
+  """The stream of packed rows (`batch_size` None) or of batches of rows."""
   seed = cfg.data_seed if seed is None else seed
   if cfg.allow_truncated_images:
     images.enable_truncated_images()  # process-wide Pillow switch, applied at build time
@@ -144,7 +120,7 @@ def build_packer(cfg: PipelineConfig, tokenizer, *, seed: int | None = None,
       fingerprint=fingerprint(cfg, tokenizer, seed=seed, process_index=process_index,
                               process_count=process_count),
       workers=cfg.num_workers if workers is None else workers)
-  return MixPackDataset(groups, spec)
+  return MixPackDataset(groups, spec, batch_size)
 
 
 def _records_per_epoch(ds: grain.MapDataset) -> int:
@@ -163,9 +139,8 @@ def build_pipeline(cfg: PipelineConfig, tokenizer, *, seed: int | None = None,
   process_count); `workers` (default: the config's `num_workers`) only sets how
   many processes decode ahead.
   """
-  packer = build_packer(cfg, tokenizer, seed=seed, process_index=process_index,
-                        process_count=process_count, workers=workers)
-  return packer.batch(batch_size, batch_fn=_StackRows(batch_size, packer.spec.capacities))
+  return build_packer(cfg, tokenizer, seed=seed, process_index=process_index,
+                      process_count=process_count, workers=workers, batch_size=batch_size)
 
 
 def packer_iterator(iterator: grain.DatasetIterator) -> MixPackIterator:

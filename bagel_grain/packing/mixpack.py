@@ -23,7 +23,7 @@ import numpy as np
 from bagel_grain.errors import GroupExhaustedError, StateMismatchError
 from bagel_grain.packing.fetch import Fetcher
 from bagel_grain.packing.prepare import PreparedSample
-from bagel_grain.packing.row import Capacities, RowBuilder, Usage
+from bagel_grain.packing.row import Capacities, RowBuilder, Usage, empty_row
 from bagel_grain.packing.stats import PackingStats
 from bagel_grain.sample import Dropped
 
@@ -62,15 +62,22 @@ def draw_group(seed: int, process_index: int, draw: int, weights: Sequence[float
 
 
 class MixPackDataset(grain.IterDataset):
-  """Packed rows (dicts of static-shape numpy arrays plus `sample_keys`)."""
+  """Packed rows, or batches of `batch_size` rows, as dicts of static-shape numpy arrays.
 
-  def __init__(self, groups: Sequence[grain.MapDataset], spec: PackingSpec):
+  Each element also carries `sample_keys` (per row, the keys of its samples) for
+  audits; it never goes to the device. Batching here rather than downstream
+  writes every row straight into its batch: pixels are copied once.
+  """
+
+  def __init__(self, groups: Sequence[grain.MapDataset], spec: PackingSpec,
+               batch_size: int | None = None):
     super().__init__(list(groups))
     self._groups = list(groups)
     self.spec = spec
+    self.batch_size = batch_size
 
   def __iter__(self) -> MixPackIterator:
-    return MixPackIterator(self._groups, self.spec)
+    return MixPackIterator(self._groups, self.spec, self.batch_size)
 
   def __str__(self) -> str:
     return f"MixPackDataset(groups={self.spec.group_names})"
@@ -79,10 +86,12 @@ class MixPackDataset(grain.IterDataset):
 class MixPackIterator(grain.DatasetIterator):
   """The packer's state machine; see the module docstring for the rules."""
 
-  def __init__(self, groups: Sequence[grain.MapDataset], spec: PackingSpec):
+  def __init__(self, groups: Sequence[grain.MapDataset], spec: PackingSpec,
+               batch_size: int | None = None):
     super().__init__()
     self._groups = list(groups)
     self._spec = spec
+    self._batch_size = batch_size
     total = sum(spec.weights) or 1.0
     depths = [2 + int(4 * spec.workers * w / total) + int(m)
               for w, m in zip(spec.weights, spec.mandatory)]
@@ -150,6 +159,31 @@ class MixPackIterator(grain.DatasetIterator):
   # -- packing -----------------------------------------------------------------
 
   def __next__(self) -> dict[str, Any]:
+    if self._batch_size is None:
+      members = self._next_row()
+      row = self._builder.build()
+      row["sample_keys"] = self._keys(members)
+      return row
+    batch = empty_row(self._spec.capacities, (self._batch_size,))
+    keys = []
+    for b in range(self._batch_size):
+      try:
+        members = self._next_row()
+      except StopIteration:
+        if b == 0:
+          raise
+        break  # a finite stream's last batch: the remaining rows stay empty
+      self._builder.build(batch, b)
+      keys.append(self._keys(members))
+    batch["sample_keys"] = keys + [()] * (self._batch_size - len(keys))
+    return batch
+
+  def _keys(self, members: Sequence[PreparedSample]) -> tuple:
+    names = self._spec.group_names
+    return tuple((names[s.key.group], s.key.index, s.key.epoch, s.key.record) for s in members)
+
+  def _next_row(self) -> list[PreparedSample]:
+    """Decides the next row's samples (the builder holds their layouts)."""
     spec, builder = self._spec, self._builder
     builder.reset()
     members: list[PreparedSample] = []
@@ -192,14 +226,10 @@ class MixPackIterator(grain.DatasetIterator):
 
     if not members:
       raise StopIteration
-    row = builder.build()
-    self._counters.row(members, row, missing=[
+    self._counters.row(members, builder.used_tokens, missing=[
         g for g, m in enumerate(spec.mandatory)
         if m and not self._exhausted(g) and g not in {s.key.group for s in members}])
-    row["sample_keys"] = tuple(
-        (spec.group_names[s.key.group], s.key.index, s.key.epoch, s.key.record)
-        for s in members)
-    return row
+    return members
 
   # -- state -------------------------------------------------------------------
 

@@ -115,35 +115,35 @@ def default_capacities(max_num_tokens: int, vae_max_image_size: int, vae_stride:
                     vit_patch_size=vit_patch_size)
 
 
-def empty_row(caps: Capacities) -> PackedRow:
-  """A row with no samples: zeros everywhere, `L` in the token-index sentinels."""
+def empty_row(caps: Capacities, batch: tuple[int, ...] = ()) -> PackedRow:
+  """A row (or `batch` rows) with no samples: zeros, `L` in the token-index sentinels."""
   L, V, T, I, S, K = (caps.tokens, caps.vit_patches, caps.vae_tokens, caps.vae_images,
                       caps.vae_image_size, caps.splits)
   p = caps.vit_patch_size
   return {
-      "text_ids": np.zeros(L, np.int32),
-      "token_type": np.zeros(L, np.int8),
-      "position_ids": np.zeros(L, np.int32),
-      "segment_ids": np.zeros(L, np.int32),
-      "split_ids": np.zeros(L, np.int32),
-      "split_lens": np.zeros(K, np.int32),
-      "split_modes": np.zeros(K, np.int8),
-      "label_ids": np.zeros(L, np.int32),
-      "ce_weights": np.zeros(L, np.float32),
-      "timesteps": np.zeros(L, np.float32),
-      "mse_mask": np.zeros(L, bool),
-      "vit_patches": np.zeros((V, p * p * 3), np.uint8),
-      "vit_position_ids": np.zeros(V, np.int32),
-      "vit_token_index": np.full(V, L, np.int32),
-      "vit_image_ids": np.zeros(V, np.int32),
-      "vae_images": np.zeros((I, S, S, 3), np.uint8),
-      "vae_image_hw": np.zeros((I, 2), np.int32),
-      "vae_latent_position_ids": np.zeros(T, np.int32),
-      "vae_token_index": np.full(T, L, np.int32),
-      "num_tokens": np.zeros((), np.int32),
-      "num_vit_tokens": np.zeros((), np.int32),
-      "num_vae_tokens": np.zeros((), np.int32),
-      "num_samples": np.zeros((), np.int32),
+      "text_ids": np.zeros((*batch, L), np.int32),
+      "token_type": np.zeros((*batch, L), np.int8),
+      "position_ids": np.zeros((*batch, L), np.int32),
+      "segment_ids": np.zeros((*batch, L), np.int32),
+      "split_ids": np.zeros((*batch, L), np.int32),
+      "split_lens": np.zeros((*batch, K), np.int32),
+      "split_modes": np.zeros((*batch, K), np.int8),
+      "label_ids": np.zeros((*batch, L), np.int32),
+      "ce_weights": np.zeros((*batch, L), np.float32),
+      "timesteps": np.zeros((*batch, L), np.float32),
+      "mse_mask": np.zeros((*batch, L), bool),
+      "vit_patches": np.zeros((*batch, V, p * p * 3), np.uint8),
+      "vit_position_ids": np.zeros((*batch, V), np.int32),
+      "vit_token_index": np.full((*batch, V), L, np.int32),
+      "vit_image_ids": np.zeros((*batch, V), np.int32),
+      "vae_images": np.zeros((*batch, I, S, S, 3), np.uint8),
+      "vae_image_hw": np.zeros((*batch, I, 2), np.int32),
+      "vae_latent_position_ids": np.zeros((*batch, T), np.int32),
+      "vae_token_index": np.full((*batch, T), L, np.int32),
+      "num_tokens": np.zeros(batch, np.int32),
+      "num_vit_tokens": np.zeros(batch, np.int32),
+      "num_vae_tokens": np.zeros(batch, np.int32),
+      "num_samples": np.zeros(batch, np.int32),
   }
 
 
@@ -199,10 +199,17 @@ class RowBuilder:
     self._layouts.append(layout)
     self._usage = self._usage + Usage.of(layout)
 
-  def build(self) -> PackedRow:
-    """The row's arrays: each field is one concatenation and one slice assignment."""
+  def build(self, out: PackedRow | None = None, b: int = 0) -> PackedRow:
+    """The row's arrays: each field is one concatenation and one slice assignment.
+
+    With `out` (an empty batch from `empty_row(caps, (B,))`) the row is written in
+    place as row `b`: pixels are copied once, straight into the batch.
+    """
     caps = self.capacities
-    row = empty_row(caps)
+    if out is None:
+      row = empty_row(caps)
+    else:  # views of row b; a (1,)-slice reshaped keeps even the counts writable
+      row = {name: array[b:b + 1].reshape(array.shape[1:]) for name, array in out.items()}
     lays = self._layouts
     u = self._usage
     n, v, t, k = u.tokens, u.vit_patches, u.vae_tokens, u.splits

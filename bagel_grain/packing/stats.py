@@ -28,9 +28,9 @@ class PackingStats:
     for note in notes:
       self.notes[self._names[group]][note] += 1
 
-  def row(self, members, row, missing: Sequence[int]) -> None:
+  def row(self, members, tokens: int, missing: Sequence[int]) -> None:
     self.rows += 1
-    self.tokens += int(row["num_tokens"])
+    self.tokens += tokens
     for s in members:
       self.counts[self._names[s.key.group]]["packed"] += 1
     for g in missing:
