@@ -154,7 +154,7 @@ def _instructions(r: random.Random, s: Shape) -> list[str]:
   return r.sample(options, r.randint(1, 3))
 
 
-def _filler_sentence(r: random.Random) -> str:
+def filler_sentence(r: random.Random) -> str:
   words = {"noun": r.choice(NOUNS), "noun2": r.choice(NOUNS), "noun3": r.choice(NOUNS),
            "adj": r.choice(ADJECTIVES), "verb": r.choice(VERBS), "adv": r.choice(ADVERBS),
            "prep": r.choice(PREPOSITIONS), "name": _invented_name(r), "count": r.randint(2, 999)}
@@ -163,7 +163,7 @@ def _filler_sentence(r: random.Random) -> str:
 
 def _tokenizer_corpus() -> list[str]:
   r = random.Random(f"{SEED}-corpus")
-  texts = [_filler_sentence(r) for _ in range(600)]
+  texts = [filler_sentence(r) for _ in range(600)]
   for _ in range(150):
     scene = _random_scene(r)
     texts += _captions(r, scene)
@@ -269,7 +269,7 @@ def _extension(kind: str) -> str:
 # --- writers ------------------------------------------------------------------------
 
 
-def _write_tokenizer(out: Path) -> None:
+def write_tokenizer(out: Path) -> None:
   """A byte-level BPE trained here, so nothing is downloaded."""
   tok = tokenizers.Tokenizer(models.BPE())
   tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -432,7 +432,7 @@ def _write_vlm(data_dir: Path) -> int:
     noun = r.choice(NOUNS)
     prompts = [(f"What is {a} plus {b}?", f"{a + b}."),
                (f"Spell the word {noun} backwards.", noun[::-1] + "."),
-               (f"Write one sentence about a {noun}.", _filler_sentence(r))]
+               (f"Write one sentence about a {noun}.", filler_sentence(r))]
     q, ans = prompts[i % len(prompts)]
     rows.append({"id": f"text_only_{i}",
                  "conversations": [_turn("human", q), _turn("gpt", ans)]})
@@ -457,7 +457,7 @@ def make_sample_data(out_dir: str | Path) -> Path:
   root.mkdir(parents=True, exist_ok=True)
   marker = root / ".complete"
   marker.unlink(missing_ok=True)
-  _write_tokenizer(root / "tokenizer")
+  write_tokenizer(root / "tokenizer")
   n_t2i = _write_t2i(root / "t2i")
   n_edit = _write_edit(root / "edit", root)
   n_vlm = _write_vlm(root / "vlm")

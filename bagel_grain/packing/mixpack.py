@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import time
 from typing import Any, Sequence
 
 import grain
@@ -97,6 +98,7 @@ class MixPackIterator(grain.DatasetIterator):
               for w, m in zip(spec.weights, spec.mandatory)]
     self._fetcher = Fetcher(self._groups, workers=spec.workers, depths=depths)
     self._builder = RowBuilder(spec.capacities)
+    self._seconds = {"waiting_for_samples": 0.0, "packing": 0.0}  # main-process time
     self._start()
 
   def _start(self) -> None:
@@ -119,7 +121,9 @@ class MixPackIterator(grain.DatasetIterator):
     while not self._exhausted(group):
       index = self._next_index[group]
       self._next_index[group] += 1
+      start = time.perf_counter()
       element = self._fetcher.get(group, index)
+      self._seconds["waiting_for_samples"] += time.perf_counter() - start
       reason = self._drop_reason(element)
       self._counters.drawn(group)
       if reason is None:
@@ -159,6 +163,14 @@ class MixPackIterator(grain.DatasetIterator):
   # -- packing -----------------------------------------------------------------
 
   def __next__(self) -> dict[str, Any]:
+    start, waited = time.perf_counter(), self._seconds["waiting_for_samples"]
+    try:
+      return self._next_element()
+    finally:
+      elapsed = time.perf_counter() - start
+      self._seconds["packing"] += elapsed - (self._seconds["waiting_for_samples"] - waited)
+
+  def _next_element(self) -> dict[str, Any]:
     if self._batch_size is None:
       members = self._next_row()
       row = self._builder.build()
@@ -276,6 +288,7 @@ class MixPackIterator(grain.DatasetIterator):
   def stats(self) -> dict[str, Any]:
     """Counters for reports; they add up: drawn = packed + dropped + buffered + carried."""
     report = self._counters.report()
+    report["seconds"] = dict(self._seconds)
     report["buffered"] = len(self._buffer)
     report["carried"] = len(self._carried)
     report["epoch"] = {

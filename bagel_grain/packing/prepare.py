@@ -25,6 +25,7 @@ class PreparedSample:
   key: SampleKey
   packed_size: int  # upstream's estimate: num_tokens + 2 * len(plan)
   layout: SampleLayout
+  image_tokens: int = 0  # tokens of the distinct resized images: the decode work it cost
   notes: tuple[str, ...] = ()
 
 
@@ -50,4 +51,15 @@ class PrepareSample(grain.transforms.Map):
         vit_p=self.vit_cond_dropout_prob, vae_p=self.vae_cond_dropout_prob)
     layout = layout_sample(element.plan, element.text_ids, element.images, cfg_drops=drops,
                            timesteps=timesteps, geometry=self.geometry, special=self.special)
-    return PreparedSample(element.key, element.packed_size, layout, element.notes)
+    return PreparedSample(element.key, element.packed_size, layout,
+                          self._image_tokens(element), element.notes)
+
+  def _image_tokens(self, sample: Sample) -> int:
+    """Tokens of each distinct resized image (an edit's loss and clean VAE views share one)."""
+    tokens_by_image = {}
+    items = (item for item in sample.plan if item.type != "text")
+    for item, image in zip(items, sample.images):
+      g = self.geometry
+      stride = g.vit_patch_size if item.type == "vit_image" else g.vae_downsample
+      tokens_by_image[id(image)] = (image.shape[0] * image.shape[1]) // stride**2
+    return sum(tokens_by_image.values())

@@ -13,6 +13,7 @@ class PackingStats:
     self._names = tuple(group_names)
     self.rows = 0
     self.tokens = 0
+    self.image_tokens = 0  # decode work behind the packed samples (see PreparedSample)
     self.counts = {name: collections.Counter() for name in self._names}  # drawn, packed
     self.drops = {name: collections.Counter() for name in self._names}
     self.notes = {name: collections.Counter() for name in self._names}
@@ -31,6 +32,7 @@ class PackingStats:
   def row(self, members, tokens: int, missing: Sequence[int]) -> None:
     self.rows += 1
     self.tokens += tokens
+    self.image_tokens += sum(s.image_tokens for s in members)
     for s in members:
       self.counts[self._names[s.key.group]]["packed"] += 1
     for g in missing:
@@ -40,6 +42,7 @@ class PackingStats:
     return {
         "rows": self.rows,
         "tokens": self.tokens,
+        "image_tokens": self.image_tokens,
         "counts": {k: dict(v) for k, v in self.counts.items()},
         "drops": {k: dict(v) for k, v in self.drops.items()},
         "notes": {k: dict(v) for k, v in self.notes.items()},
@@ -50,6 +53,7 @@ class PackingStats:
   def from_json(cls, group_names: Sequence[str], state: dict[str, Any]) -> PackingStats:
     stats = cls(group_names)
     stats.rows, stats.tokens = int(state["rows"]), int(state["tokens"])
+    stats.image_tokens = int(state["image_tokens"])
     for field in ("counts", "drops", "notes"):
       for name, counter in state[field].items():
         getattr(stats, field)[name].update({k: int(v) for k, v in counter.items()})

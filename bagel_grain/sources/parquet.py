@@ -66,6 +66,8 @@ class ParquetRowSource:
     self._cache: collections.OrderedDict = collections.OrderedDict()
     self._lock = threading.Lock()
     self.row_group_reads = 0
+    self.bytes_read = 0  # decoded row-group bytes, against bytes_served: the cost of blocking
+    self.bytes_served = 0
 
   def __getstate__(self):
     state = self.__dict__.copy()
@@ -105,6 +107,7 @@ class ParquetRowSource:
     columns = {name: table.column(name).to_pylist() for name in self._columns}
     with self._lock:
       self.row_group_reads += 1
+      self.bytes_read += table.nbytes
       self._cache[key] = columns
       while len(self._cache) > _CACHED_ROW_GROUPS:
         self._cache.popitem(last=False)
@@ -113,7 +116,17 @@ class ParquetRowSource:
   def __getitem__(self, index: int) -> dict[str, Any]:
     block, row = self._locate(index)
     columns = self._row_group(block)
-    return {name: values[row] for name, values in columns.items()}
+    fields = {name: values[row] for name, values in columns.items()}
+    self.bytes_served += sum(_nbytes(v) for v in fields.values())
+    return fields
+
+
+def _nbytes(value: Any) -> int:
+  if isinstance(value, (bytes, str)):
+    return len(value)
+  if isinstance(value, list):
+    return sum(_nbytes(v) for v in value)
+  return 8
 
 
 def dataset_files(data_dir: str, num_used: int | None) -> list[str]:
