@@ -1,4 +1,4 @@
-"""The `bagel-grain` command: make-sample-data, demo."""
+"""The `bagel-grain` command: make-sample-data, demo, make-bench-data, bench."""
 
 from __future__ import annotations
 
@@ -78,6 +78,34 @@ def _demo(args) -> int:
   return 0
 
 
+def _make_bench_data(args) -> int:
+  from bagel_grain.bench_data import make_bench_data  # pylint: disable=import-outside-toplevel
+  start = time.perf_counter()
+  out = make_bench_data(args.dir, t2i_rows=args.t2i_rows, edit_rows=args.edit_rows,
+                        vlm_rows=args.vlm_rows)
+  print(f"wrote benchmark data to {out} in {time.perf_counter() - start:.1f} s")
+  return 0
+
+
+def _bench(args) -> int:
+  # pylint: disable=import-outside-toplevel
+  from bagel_grain import bench
+  from bagel_grain.config import load_config
+  from bagel_grain.tokenizer import load_tokenizer
+
+  cfg = load_config(args.config)
+  tokenizer = load_tokenizer(cfg.tokenizer_path)
+  report = bench.run_bench(cfg, tokenizer, workers=args.workers, seconds=args.seconds,
+                           windows=args.windows, batch_size=args.batch_size)
+  print(bench.format_table(report))
+  if args.json:
+    with open(args.json, "w") as f:
+      json.dump(report, f, indent=1, default=float)
+  if args.plot:
+    bench.plot(report, args.plot)
+  return 0
+
+
 def main(argv=None) -> int:
   parser = argparse.ArgumentParser(prog="bagel-grain", description=__doc__)
   sub = parser.add_subparsers(dest="command", required=True)
@@ -90,6 +118,21 @@ def main(argv=None) -> int:
   p.add_argument("--batch-size", type=int, default=2)
   p.add_argument("--workers", type=int, default=None)
   p.set_defaults(run=_demo)
+  p = sub.add_parser("make-bench-data", help="write the benchmark dataset (real photographs)")
+  p.add_argument("dir", nargs="?", default=".bench_data")
+  p.add_argument("--t2i-rows", type=int, default=800)
+  p.add_argument("--edit-rows", type=int, default=200)
+  p.add_argument("--vlm-rows", type=int, default=400)
+  p.set_defaults(run=_make_bench_data)
+  p = sub.add_parser("bench", help="throughput, latency, state and memory against the floor")
+  p.add_argument("--config", default="configs/bench.yaml")
+  p.add_argument("--workers", type=int, nargs="+", default=[0, 1, 2])
+  p.add_argument("--seconds", type=float, default=30.0, help="timed seconds per worker count")
+  p.add_argument("--windows", type=int, default=5)
+  p.add_argument("--batch-size", type=int, default=1)
+  p.add_argument("--json", help="write the full report here")
+  p.add_argument("--plot", help="write a PNG of throughput against worker count")
+  p.set_defaults(run=_bench)
   args = parser.parse_args(argv)
   return args.run(args)
 

@@ -30,13 +30,20 @@ class FrameSamplerArgs:
 
 @dataclasses.dataclass(frozen=True)
 class DatasetSpec:
-  """One entry of `dataset_info`, paths already resolved."""
+  """One entry of `dataset_info`, paths already resolved.
+
+  `array_record_path` (a file or a folder of `*.array_record` files written by
+  `bagel_grain.convert`) replaces the parquet files or the JSONL file. Such a
+  dataset holds exactly the records the group reads: `num_used_data` and
+  `shuffle_lines` were applied when it was converted and are not applied again.
+  """
 
   name: str
   data_dir: str
   jsonl_path: str | None = None
   parquet_info_path: str | None = None
   num_used_data: int | None = None
+  array_record_path: str | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -121,7 +128,8 @@ _PACKING_FIELDS = {f.name for f in dataclasses.fields(PipelineConfig)} - {"group
 _GROUP_KEYS = {"dataset_names", "weight", "is_mandatory", "num_used_data",
                "image_transform_args", "vit_image_transform_args", "frame_sampler_args",
                "shuffle_lines", "shuffle_seed", "resume_data_status"}
-_INFO_KEYS = {"data_dir", "jsonl_path", "parquet_info_path", "num_files", "num_total_samples"}
+_INFO_KEYS = {"data_dir", "jsonl_path", "parquet_info_path", "array_record_path", "num_files",
+              "num_total_samples"}
 _TRANSFORM_KEYS = {"image_stride", "max_image_size", "min_image_size", "max_pixels"}
 
 
@@ -200,7 +208,7 @@ def _datasets(group: str, raw: Mapping, info: Mapping, info_dir: str, info_file:
                         group=group, key=name)
     _check_keys(entry, _INFO_KEYS, file=info_file, group=group, where=f"dataset_info.{name}")
     paths = {}
-    for key in ("data_dir", "jsonl_path", "parquet_info_path"):
+    for key in ("data_dir", "jsonl_path", "parquet_info_path", "array_record_path"):
       if key not in entry:
         continue
       path = fs.resolve(entry[key], info_dir)
@@ -208,11 +216,14 @@ def _datasets(group: str, raw: Mapping, info: Mapping, info_dir: str, info_file:
         raise ConfigError(f"path does not exist: {path}", file=info_file, group=group,
                           key=f"{name}.{key}")
       paths[key] = path
+    if "data_dir" not in paths and "array_record_path" in paths:
+      ar = paths["array_record_path"]  # converted records need no data_dir of their own
+      paths["data_dir"] = ar if fs.is_dir(ar) else os.path.dirname(ar)
     if "data_dir" not in paths:
       raise ConfigError("missing `data_dir`", file=info_file, group=group, key=name)
-    if group == "vlm_sft" and "jsonl_path" not in paths:
-      raise ConfigError("VLM datasets need `jsonl_path`", file=info_file, group=group,
-                        key=f"{name}.jsonl_path")
+    if group == "vlm_sft" and not paths.keys() & {"jsonl_path", "array_record_path"}:
+      raise ConfigError("VLM datasets need `jsonl_path` (or `array_record_path`)",
+                        file=info_file, group=group, key=f"{name}.jsonl_path")
     if n is not None:
       n = _number(n, int, file=file, group=group, key="num_used_data")
     specs.append(DatasetSpec(name=name, num_used_data=n, **paths))
@@ -254,6 +265,11 @@ def _group(name: str, raw: Any, info: Mapping, info_dir: str, info_file: str,
     kwargs["frame_sampler"] = FrameSamplerArgs(**{
         k: _number(v, int, file=file, group=name, key=f"frame_sampler_args.{k}")
         for k, v in args.items()})
+    frames = kwargs["frame_sampler"]
+    if not 1 <= frames.min_num_frames <= frames.max_num_frames:
+      raise ConfigError(f"need 1 <= min_num_frames <= max_num_frames, got {frames.min_num_frames}"
+                        f" and {frames.max_num_frames}", file=file, group=name,
+                        key="frame_sampler_args")
   needed = {"t2i_pretrain": ("image_transform",),
             "unified_edit": ("image_transform", "vit_image_transform"),
             "vlm_sft": ("image_transform",)}[name]

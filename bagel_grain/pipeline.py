@@ -15,7 +15,7 @@ import grain
 import numpy as np
 
 from bagel_grain import images
-from bagel_grain.config import PipelineConfig
+from bagel_grain.config import DatasetSpec, GroupConfig, PipelineConfig
 from bagel_grain.families.edit import COLUMNS as EDIT_COLUMNS
 from bagel_grain.families.edit import EditTransform
 from bagel_grain.families.t2i import COLUMNS as T2I_COLUMNS
@@ -25,6 +25,7 @@ from bagel_grain.packing.layout import Geometry
 from bagel_grain.packing.mixpack import MixPackDataset, MixPackIterator, PackingSpec
 from bagel_grain.packing.prepare import PrepareSample
 from bagel_grain.packing.row import Capacities, default_capacities
+from bagel_grain.sources.array_record import ArrayRecordSource, array_record_files
 from bagel_grain.sources.jsonl import JsonlLineSource
 from bagel_grain.sources.parquet import ParquetRowSource, dataset_files
 from bagel_grain.sources.records import ConcatSource, ShuffledRecords
@@ -35,15 +36,20 @@ def group_seed(seed: int, group: int) -> int:
   return int(np.random.SeedSequence([seed, group]).generate_state(1)[0])
 
 
+def dataset_source(g: GroupConfig, d: DatasetSpec):
+  """The records one dataset of a group contributes, in source order."""
+  if d.array_record_path is not None:
+    return ArrayRecordSource(array_record_files(d.array_record_path))
+  if g.family == "vlm_sft":
+    return JsonlLineSource(d.jsonl_path, num_used=d.num_used_data, shuffle_lines=g.shuffle_lines,
+                           shuffle_seed=g.shuffle_seed)
+  columns = T2I_COLUMNS if g.family == "t2i_pretrain" else EDIT_COLUMNS
+  return ParquetRowSource(dataset_files(d.data_dir, d.num_used_data), columns)
+
+
 def _source(cfg: PipelineConfig, group: int) -> ConcatSource:
   g = cfg.groups[group]
-  if g.family == "vlm_sft":
-    return ConcatSource([
-        JsonlLineSource(d.jsonl_path, num_used=d.num_used_data, shuffle_lines=g.shuffle_lines,
-                        shuffle_seed=g.shuffle_seed) for d in g.datasets])
-  columns = T2I_COLUMNS if g.family == "t2i_pretrain" else EDIT_COLUMNS
-  return ConcatSource([ParquetRowSource(dataset_files(d.data_dir, d.num_used_data), columns)
-                       for d in g.datasets])
+  return ConcatSource([dataset_source(g, d) for d in g.datasets])
 
 
 def _family(cfg: PipelineConfig, group: int, tokenizer):

@@ -20,6 +20,8 @@ def sample_frame_indices(vlen: int, min_frames: int, max_frames: int,
   the whole draw to a sorted random permutation; short clips are padded with the
   last frame.
   """
+  if vlen < 1:  # e.g. a video file with no decodable frame: a bad record, not a crash
+    raise Drop("video_unreadable", "the video has no frames")
   t = int(rng.integers(min_frames, max_frames + 1))
   kept = min(t, vlen)
   bounds = np.linspace(0, vlen, kept + 1).astype(int)
@@ -75,3 +77,17 @@ def count_video_frames(path: str) -> int:
       return sum(1 for _ in container.decode(video=0))
   except (av.error.FFmpegError, OSError, ValueError, IndexError) as e:
     raise Drop("video_unreadable", str(e)[:200]) from None
+
+
+def embedded_frames(files, folder: str) -> list[str]:
+  """Frames `*_N.jpg` directly inside `folder` among a converted record's file names.
+
+  The same choice and N order as `frame_folder`, over the names `folder + name`
+  the converter embedded the folder's files under.
+  """
+  frames = [(int(m.group(1)), name) for name in files
+            if name.startswith(folder) and "/" not in name[len(folder):]
+            and (m := _FRAME_NUMBER.search(name))]
+  if not frames:
+    raise Drop("video_unreadable", f"no *_N.jpg frames in {folder}")
+  return [name for _, name in sorted(frames)]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import json
 import os
 
@@ -13,6 +14,7 @@ from bagel_grain.families import video
 from bagel_grain.families.base import Drop, FamilyTransform, require
 from bagel_grain.images import ImageTransform, decode_image
 from bagel_grain.sample import PlanItem, Sample
+from bagel_grain.sources.framing import LineWithFiles
 from bagel_grain.sources.records import Record
 
 IMAGE = PlanItem("vit_image", enable_cfg=0, loss=0)
@@ -20,11 +22,16 @@ PROMPT = PlanItem("text", enable_cfg=0, loss=0)
 ANSWER = PlanItem("text", enable_cfg=0, loss=1)
 
 
-def inside(data_dir: str, relative: str) -> str:
-  """The path of `relative` under `data_dir`; Drop when it would leave the directory."""
+def _check_relative(relative: str) -> None:
+  """Drop unless `relative` is a non-empty relative path string."""
   require(isinstance(relative, str) and relative != "", "wrong_type", "path is not a string")
   require(not os.path.isabs(relative) and not fs.is_uri(relative) and "\x00" not in relative,
           "path_outside_data_dir", relative[:200])
+
+
+def inside(data_dir: str, relative: str) -> str:
+  """The path of `relative` under `data_dir`; Drop when it would leave the directory."""
+  _check_relative(relative)
   path = fs.join(data_dir, relative)
   if fs.is_uri(data_dir):
     normalised = os.path.normpath(relative)
@@ -35,6 +42,18 @@ def inside(data_dir: str, relative: str) -> str:
   real = os.path.realpath(path)  # follows symlinks: a link out of data_dir is refused too
   require(real == root or real.startswith(root + os.sep), "path_outside_data_dir", relative[:200])
   return real + (os.sep if relative.endswith("/") else "")
+
+
+def embedded(files: LineWithFiles, relative: str) -> str:
+  """`relative` as a key of a converted record's files, with the verdict `inside` gave.
+
+  The converter ran `inside` on the disk and recorded each refusal in `file_errors`;
+  embedded bytes are never looked up on disk, so nothing here can leave `data_dir`.
+  """
+  _check_relative(relative)
+  if relative in files.file_errors:
+    raise Drop(files.file_errors[relative], relative[:200])
+  return relative
 
 
 def plan_turns(conversations, num_images: int) -> tuple[list[PlanItem], list[str]]:
@@ -78,41 +97,53 @@ class VLMTransform(FamilyTransform):
     self.frame_sampler = frame_sampler
     self.data_dirs = data_dirs
 
-  def _load(self, path: str):
-    try:
-      data = fs.read_bytes(path)
-    except OSError as e:
-      raise Drop("missing_file", str(e)[:200]) from None
+  def _load(self, path: str, files: LineWithFiles | None):
+    if files is not None:  # a converted record: its files travel with it
+      if path not in files.files:
+        raise Drop(files.file_errors.get(path, "missing_file"), path[:200])
+      data = files.files[path]
+    else:
+      try:
+        data = fs.read_bytes(path)
+      except OSError as e:
+        raise Drop("missing_file", str(e)[:200]) from None
     return decode_image(data, max_pixels_decode=self.max_decode_pixels)
 
-  def _video_frames(self, path: str, rng: np.random.Generator) -> list:
+  def _video_frames(self, path: str, rng: np.random.Generator,
+                    files: LineWithFiles | None) -> list:
     args = self.frame_sampler
     if path.endswith(os.sep) or path.endswith("/"):
-      frames = video.frame_folder(path)
+      frames = (video.frame_folder(path) if files is None else
+                video.embedded_frames([*files.files, *files.file_errors], path))
       indices = video.sample_frame_indices(len(frames), args.min_num_frames,
                                            args.max_num_frames, rng)
       return [frames[i] for i in indices]
-    if not fs.exists(path):
+    if not (fs.exists(path) if files is None else path in files.files):
       raise Drop("missing_file", path[:200])
-    indices = video.sample_frame_indices(video.count_video_frames(path), args.min_num_frames,
+    opened = (lambda: path) if files is None else (lambda: io.BytesIO(files.files[path]))
+    indices = video.sample_frame_indices(video.count_video_frames(opened()), args.min_num_frames,
                                          args.max_num_frames, rng)
-    return video.read_video_frames(path, indices)
+    return video.read_video_frames(opened(), indices)
 
   def parse(self, record: Record, rng: np.random.Generator) -> Sample:
+    line, files = record.fields, None
+    if isinstance(line, LineWithFiles):
+      line, files = line.line, line
     try:
-      row = json.loads(record.fields)
+      row = json.loads(line)
     except (ValueError, UnicodeDecodeError, RecursionError) as e:
       raise Drop("bad_json", str(e)[:200]) from None
     require(isinstance(row, dict), "bad_json", "line is not a JSON object")
     data_dir = self.data_dirs[record.dataset]
+    locate = (lambda p: inside(data_dir, p)) if files is None else (lambda p: embedded(files, p))
     conversations = row.get("conversations")
     require(isinstance(conversations, list), "wrong_type", "conversations missing or not a list")
     images: list = []  # paths, or PIL images for frames of a video file
     if "image" in row:
       listed = row["image"] if isinstance(row["image"], list) else [row["image"]]
-      images = [inside(data_dir, p) for p in listed]
+      images = [locate(p) for p in listed]
     elif "video" in row:
-      images = self._video_frames(inside(data_dir, row["video"]), rng)
+      images = self._video_frames(locate(row["video"]), rng, files)
       placeholder = "<image>" * len(images)
       conversations = [
           {**t, "value": t["value"].replace("<video>", placeholder)}
@@ -124,7 +155,7 @@ class VLMTransform(FamilyTransform):
     notes = ("unused_images",) if used < len(images) else ()
     pixels = []
     for image in images[:used]:
-      decoded = self._load(image) if isinstance(image, str) else image
+      decoded = self._load(image, files) if isinstance(image, str) else image
       pixels.append(self.resize(decoded, self.vit_transform, img_num=len(images)))
     text_ids = tuple(self.tokenizer.encode_batch(texts))
     num_tokens = sum(len(t) for t in text_ids) + sum(

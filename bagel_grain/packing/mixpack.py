@@ -125,10 +125,11 @@ class MixPackIterator(grain.DatasetIterator):
       element = self._fetcher.get(group, index)
       self._seconds["waiting_for_samples"] += time.perf_counter() - start
       reason = self._drop_reason(element)
-      self._counters.drawn(group)
       if reason is None:
+        self._counters.drawn(group, element.image_tokens)
         self._counters.noted(group, element.notes)
         return element
+      self._counters.drawn(group)
       self._counters.dropped(group, reason)
       bad[reason] += 1
       if sum(bad.values()) >= spec.max_consecutive_drops:

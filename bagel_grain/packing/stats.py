@@ -13,14 +13,15 @@ class PackingStats:
     self._names = tuple(group_names)
     self.rows = 0
     self.tokens = 0
-    self.image_tokens = 0  # decode work behind the packed samples (see PreparedSample)
+    self.image_tokens = 0  # decode work of the usable samples drawn (see PreparedSample)
     self.counts = {name: collections.Counter() for name in self._names}  # drawn, packed
     self.drops = {name: collections.Counter() for name in self._names}
     self.notes = {name: collections.Counter() for name in self._names}
     self.missing_mandatory = collections.Counter()
 
-  def drawn(self, group: int) -> None:
+  def drawn(self, group: int, image_tokens: int = 0) -> None:
     self.counts[self._names[group]]["drawn"] += 1
+    self.image_tokens += image_tokens
 
   def dropped(self, group: int, reason: str) -> None:
     self.drops[self._names[group]][reason] += 1
@@ -32,7 +33,6 @@ class PackingStats:
   def row(self, members, tokens: int, missing: Sequence[int]) -> None:
     self.rows += 1
     self.tokens += tokens
-    self.image_tokens += sum(s.image_tokens for s in members)
     for s in members:
       self.counts[self._names[s.key.group]]["packed"] += 1
     for g in missing:

@@ -32,12 +32,24 @@ class Record:
   error: str | None = None
 
 
+class RecordError(Exception):
+  """Raised by a source for one record it cannot read: the record carries `reason:detail`."""
+
+  def __init__(self, reason: str, detail: str = ""):
+    super().__init__(reason, detail)
+    self.reason, self.detail = reason, detail
+
+
 class ConcatSource:
   """Several datasets of one group, one after another; records know their dataset."""
 
   def __init__(self, sources: Sequence):
     self._sources = list(sources)
     self._offsets = np.concatenate([[0], np.cumsum([len(s) for s in sources])]).astype(np.int64)
+
+  @property
+  def sources(self) -> tuple:
+    return tuple(self._sources)
 
   def __len__(self) -> int:
     return int(self._offsets[-1])
@@ -149,4 +161,6 @@ class ShuffledRecords(grain.MapDataset):
       fields = self._source[source_index]
     except (OSError, pa.ArrowException) as e:  # a file that became unreadable mid-run
       return Record(index, epoch, record_id, dataset, error="unreadable_file:" + str(e)[:200])
+    except RecordError as e:
+      return Record(index, epoch, record_id, dataset, error=f"{e.reason}:{e.detail[:200]}")
     return Record(index, epoch, record_id, dataset, fields)

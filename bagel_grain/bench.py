@@ -1,0 +1,259 @@
+"""`bagel-grain bench`: throughput against the decode+resize floor, measured in one run.
+
+For each worker count the pipeline runs from the start of the stream: a warm-up,
+then `windows` timed windows. Image tokens count the decode work of the samples
+drawn (tokens of each distinct resized image, buffered samples included). The floor is measured
+in the same run on the same records: the samples of the single-threaded run's
+windows are re-made by their family transforms alone (records read beforehand,
+a no-op tokenizer, no layout, no packing), single-threaded. Every throughput
+figure is reported beside its ratio to that floor.
+"""
+
+from __future__ import annotations
+
+import json
+import resource
+import statistics
+import threading
+import time
+from typing import Any, Sequence
+
+import grain
+import numpy as np
+import psutil
+
+from bagel_grain.config import PipelineConfig
+from bagel_grain.pipeline import _family, _source, build_pipeline, group_seed, pipeline_stats
+from bagel_grain.sources.records import ShuffledRecords
+
+
+class _RssSampler:
+  """Peak RSS of this process and each of its children, sampled in a thread."""
+
+  def __init__(self, interval: float = 0.1):
+    self._interval, self._stop = interval, threading.Event()
+    self.peak_children: dict[int, int] = {}
+    self._thread = threading.Thread(target=self._run, daemon=True)
+    self._thread.start()
+
+  def _run(self):
+    me = psutil.Process()
+    while not self._stop.wait(self._interval):
+      for child in me.children(recursive=True):
+        try:
+          rss = child.memory_info().rss
+        except psutil.Error:
+          continue
+        self.peak_children[child.pid] = max(self.peak_children.get(child.pid, 0), rss)
+
+  def stop(self) -> None:
+    self._stop.set()
+    self._thread.join()
+
+
+class _NoTokenizer:
+  """Stands in for the tokenizer in the floor: the floor is images only."""
+
+  def encode(self, text):
+    return np.zeros(0, np.int32)
+
+  def encode_batch(self, texts):
+    return [np.zeros(0, np.int32) for _ in texts]
+
+
+def _window_keys(batches: Sequence[dict]) -> list[tuple[str, int]]:
+  return [(k[0], k[1]) for b in batches for keys in b["sample_keys"] for k in keys]
+
+
+def measure_pipeline(cfg: PipelineConfig, tokenizer, *, workers: int, batch_size: int,
+                     seconds: float, windows: int, warmup_batches: int = 2) -> dict[str, Any]:
+  """One worker count: throughput per window, latencies, state, memory, slot use."""
+  sampler = _RssSampler()
+  start = time.perf_counter()
+  it = iter(build_pipeline(cfg, tokenizer, batch_size=batch_size, workers=workers))
+  try:
+    next(it)
+    first_batch_s = time.perf_counter() - start
+    for _ in range(warmup_batches):
+      next(it)
+    per_window = seconds / windows
+    results, keys_by_window = [], []
+    fills, vit_use, vae_use, image_use = [], [], [], []
+    for _ in range(windows):
+      before = pipeline_stats(it)
+      t0, keys = time.perf_counter(), []
+      while time.perf_counter() - t0 < per_window:
+        batch = next(it)
+        keys.extend(_window_keys([batch]))
+        caps = batch["text_ids"].shape[1], batch["vit_patches"].shape[1], \
+            batch["vae_token_index"].shape[1], batch["vae_images"].shape[1]
+        fills.extend(batch["num_tokens"] / caps[0])
+        vit_use.extend(batch["num_vit_tokens"] / caps[1])
+        vae_use.extend(batch["num_vae_tokens"] / caps[2])
+        image_use.extend((batch["vae_image_hw"][:, :, 0] > 0).sum(axis=1) / caps[3])
+      elapsed = time.perf_counter() - t0
+      after = pipeline_stats(it)
+      results.append({
+          "seconds": elapsed,
+          "rows": after["rows"] - before["rows"],
+          "packed_tokens_per_s": (after["tokens"] - before["tokens"]) / elapsed,
+          "image_tokens_per_s": (after["image_tokens"] - before["image_tokens"]) / elapsed,
+      })
+      keys_by_window.append(keys)
+    state = it.get_state()
+    stats = pipeline_stats(it)
+  finally:
+    it.close()
+  # Restore from the mid-run state (buffer and carried samples re-made by key).
+  t0 = time.perf_counter()
+  restored = iter(build_pipeline(cfg, tokenizer, batch_size=batch_size, workers=workers))
+  try:
+    restored.set_state(json.loads(json.dumps(state)))
+    next(restored)
+    restore_s = time.perf_counter() - t0
+  finally:
+    restored.close()
+  sampler.stop()
+  main_peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+  seconds_spent = stats["seconds"]
+  total = sum(seconds_spent.values()) or 1.0
+  return {
+      "workers": workers,
+      "windows": results,
+      "packed_tokens_per_s": statistics.median(r["packed_tokens_per_s"] for r in results),
+      "image_tokens_per_s": statistics.median(r["image_tokens_per_s"] for r in results),
+      "first_batch_s": first_batch_s,
+      "restore_s": restore_s,
+      "state_bytes": len(json.dumps(state)),
+      "buffered_at_restore": len(state["buffer"]),
+      "peak_rss_main_mib": main_peak / 2**20,
+      "peak_rss_worker_mib": max(sampler.peak_children.values(), default=0) / 2**20,
+      "row_fill": float(np.mean(fills)),
+      "vit_slot_use": float(np.mean(vit_use)),
+      "vae_token_slot_use": float(np.mean(vae_use)),
+      "vae_image_slot_use": float(np.mean(image_use)),
+      "main_process_time_share": {k: v / total for k, v in seconds_spent.items()},
+      "drops_by_reason": stats["drops_by_reason"],
+      "keys_by_window": keys_by_window,
+  }
+
+
+def measure_floor(cfg: PipelineConfig, keys_by_window: Sequence[Sequence[tuple[str, int]]],
+                  *, seed: int) -> dict[str, Any]:
+  """Decode + RGB + resize of the same samples, alone and single-threaded, per window."""
+  sources, records, samples = {}, {}, {}
+  for g, group in enumerate(cfg.groups):
+    sources[group.name] = _source(cfg, g)
+    records[group.name] = _ReadAhead(ShuffledRecords(
+        sources[group.name], seed=group_seed(seed, g), num_epochs=cfg.num_epochs))
+    # Grain seeds the family's RNG exactly as in the pipeline: same choices, same images.
+    samples[group.name] = grain.MapDataset.source(records[group.name]).random_map(
+        _family(cfg, g, _NoTokenizer()), seed=group_seed(seed, g))
+  rates = []
+  for keys in keys_by_window:
+    for name, index in keys:
+      records[name].read(index)  # I/O outside the timed part
+    tokens, t0 = 0, time.perf_counter()
+    for name, index in keys:
+      tokens += _resized_tokens(cfg, samples[name][index])
+    rates.append(tokens / (time.perf_counter() - t0))
+  parts = [s for src in sources.values() for s in src.sources]
+  read = sum(getattr(s, "bytes_read", 0) for s in parts)
+  served = sum(getattr(s, "bytes_served", 0) for s in parts)
+  return {"image_tokens_per_s": statistics.median(rates), "windows": rates,
+          "parquet_bytes_read_per_byte_used": read / served if served else None}
+
+
+class _ReadAhead:
+  """Records read before the clock starts, served by index."""
+
+  def __init__(self, records: ShuffledRecords):
+    self._records, self._cache = records, {}
+
+  def read(self, index: int) -> None:
+    self._cache[index] = self._records[index]
+
+  def __len__(self) -> int:
+    return len(self._records)
+
+  def __getitem__(self, index: int):
+    return self._cache.pop(index)
+
+
+def _resized_tokens(cfg: PipelineConfig, sample) -> int:
+  if not hasattr(sample, "plan"):
+    return 0
+  seen = {}
+  items = (item for item in sample.plan if item.type != "text")
+  for item, image in zip(items, sample.images):
+    stride = cfg.vit_patch_size if item.type == "vit_image" else cfg.vae_image_downsample
+    seen[id(image)] = image.shape[0] * image.shape[1] // stride**2
+  return sum(seen.values())
+
+
+def run_bench(cfg: PipelineConfig, tokenizer, *, workers: Sequence[int], seconds: float,
+              windows: int = 5, batch_size: int = 1) -> dict[str, Any]:
+  """Every worker count, then the floor on the single-threaded run's samples."""
+  runs = [measure_pipeline(cfg, tokenizer, workers=w, batch_size=batch_size, seconds=seconds,
+                           windows=windows) for w in workers]
+  reference = next((r for r in runs if r["workers"] == 0), runs[0])
+  floor = measure_floor(cfg, reference["keys_by_window"], seed=cfg.data_seed)
+  for r in runs:
+    r["ratio_to_floor"] = r["image_tokens_per_s"] / floor["image_tokens_per_s"]
+    del r["keys_by_window"]
+  single = reference["image_tokens_per_s"]
+  for r in runs:
+    r["speedup_vs_0_workers"] = r["image_tokens_per_s"] / single
+  return {"floor": floor, "runs": runs,
+          "config": {"expected_num_tokens": cfg.expected_num_tokens,
+                     "max_num_tokens": cfg.max_num_tokens,
+                     "groups": [g.name for g in cfg.groups], "batch_size": batch_size,
+                     "seconds_per_run": seconds, "windows": windows}}
+
+
+def format_table(report: dict[str, Any]) -> str:
+  floor = report["floor"]["image_tokens_per_s"]
+  lines = [f"decode+resize floor (1 thread): {floor:,.0f} image tokens/s "
+           f"(median of {len(report['floor']['windows'])} windows)",
+           "workers  image tok/s  x floor  packed tok/s  first batch  restore  state  "
+           "RSS main/worker MiB  fill   ViT/VAE/img slots"]
+  for r in report["runs"]:
+    lines.append(
+        f"{r['workers']:7d}  {r['image_tokens_per_s']:11,.0f}  {r['ratio_to_floor']:7.2f}  "
+        f"{r['packed_tokens_per_s']:12,.0f}  {r['first_batch_s']:9.2f} s  "
+        f"{r['restore_s']:5.2f} s  {r['state_bytes']:5d}  "
+        f"{r['peak_rss_main_mib']:8.0f}/{r['peak_rss_worker_mib']:<8.0f}  "
+        f"{r['row_fill']:.3f}  {r['vit_slot_use']:.2f}/{r['vae_token_slot_use']:.2f}/"
+        f"{r['vae_image_slot_use']:.2f}")
+  ratio = report["floor"]["parquet_bytes_read_per_byte_used"]
+  if ratio is not None:
+    lines.append(f"parquet bytes read per byte used: {ratio:.3f}")
+  for r in report["runs"]:
+    shares = ", ".join(f"{k} {v:.0%}" for k, v in r["main_process_time_share"].items())
+    lines.append(f"workers={r['workers']}: main process time: {shares}")
+  return "\n".join(lines)
+
+
+def plot(report: dict[str, Any], path: str) -> None:
+  """A PNG of image tokens/s against worker count, with the floor as a line (Pillow only)."""
+  from PIL import Image, ImageDraw  # pylint: disable=import-outside-toplevel
+  runs = report["runs"]
+  floor = report["floor"]["image_tokens_per_s"]
+  w, h, m = 640, 400, 60
+  top = max([r["image_tokens_per_s"] for r in runs] + [floor]) * 1.15
+  img = Image.new("RGB", (w, h), "white")
+  d = ImageDraw.Draw(img)
+  d.line([(m, m // 2), (m, h - m), (w - m // 2, h - m)], fill="black")
+  xs = {r["workers"]: m + (i + 0.5) * (w - 1.5 * m) / len(runs) for i, r in enumerate(runs)}
+  y = lambda v: h - m - v / top * (h - 1.5 * m)
+  d.line([(m, y(floor)), (w - m // 2, y(floor))], fill="gray")
+  d.text((m + 4, y(floor) - 12), f"floor (1 thread) {floor:,.0f}", fill="gray")
+  for r in runs:
+    x, v = xs[r["workers"]], r["image_tokens_per_s"]
+    d.rectangle([x - 20, y(v), x + 20, h - m], fill=(70, 110, 200))
+    d.text((x - 24, y(v) - 14), f"{v / 1e3:,.0f}k", fill="black")
+    d.text((x - 4, h - m + 6), str(r["workers"]), fill="black")
+  d.text((w // 2 - 40, h - m + 24), "worker processes", fill="black")
+  d.text((4, 4), "image tokens / s", fill="black")
+  img.save(path)
+

@@ -1,0 +1,105 @@
+"""Random access to converted records in ArrayRecord files (true global shuffling).
+
+Each record is one framed row or line (see `framing`), written by
+`bagel_grain.convert`. Every record is its own block, so the order layer shuffles
+them one by one across all files: no row-group locality is needed to read fast.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import os
+from typing import Any, Sequence
+
+import grain
+import numpy as np
+from array_record.python import array_record_module
+
+from bagel_grain import fs
+from bagel_grain.errors import DatasetError
+from bagel_grain.sources import framing
+from bagel_grain.sources.records import RecordError
+
+SUFFIX = ".array_record"
+
+
+@dataclasses.dataclass(frozen=True)
+class _FileInstruction:
+  """A whole file for Grain's source, with its record count known (no second open)."""
+
+  filename: str
+  skip: int
+  take: int
+  examples_in_shard: int
+
+
+def array_record_files(path: str) -> list[str]:
+  """`path` itself, or the `*.array_record` files of the folder `path`, sorted by name."""
+  if not fs.is_dir(path):
+    return [path]
+  files = fs.list_files(path, SUFFIX)
+  if not files:
+    raise DatasetError(f"no {SUFFIX} files in the folder", file=path, field="array_record_path")
+  return files
+
+
+def _num_records(path: str) -> int:
+  try:
+    reader = array_record_module.ArrayRecordReader(path)
+  except (RuntimeError, ValueError, OSError) as e:
+    raise DatasetError(f"cannot open ArrayRecord file: {e}", file=path) from None
+  try:
+    return reader.num_records()
+  finally:
+    reader.close()
+
+
+class ArrayRecordSource:
+  """The framed records of a list of ArrayRecord files, decoded for the families.
+
+  `source[i]` is what the parquet and JSONL sources give for the same record: a
+  `{column: value}` dict for a parquet row, a `LineWithFiles` for a JSONL line. A
+  record that does not decode raises `RecordError("corrupt_record")` and becomes
+  a dropped sample. Local files only (ArrayRecord's reader opens paths itself).
+  """
+
+  def __init__(self, paths: Sequence[str]):
+    self._paths = [os.fspath(p) for p in paths]
+    if not self._paths:
+      raise DatasetError("no ArrayRecord files given", field="array_record_path")
+    with concurrent.futures.ThreadPoolExecutor(min(16, len(self._paths))) as pool:
+      counts = list(pool.map(_num_records, self._paths))
+    for path, n in zip(self._paths, counts):
+      if n == 0:  # the reader finds no records in a file cut short (its footer is gone)
+        raise DatasetError("ArrayRecord file holds no records: empty or truncated", file=path)
+    self._offsets = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
+    self._data = grain.sources.ArrayRecordDataSource(
+        [_FileInstruction(p, 0, n, n) for p, n in zip(self._paths, counts)])
+
+  def __len__(self) -> int:
+    return int(self._offsets[-1])
+
+  def blocks(self) -> list[tuple[int, int]]:
+    return [(i, i + 1) for i in range(len(self))]
+
+  def _locate(self, index: int) -> tuple[int, int]:
+    if not 0 <= index < len(self):
+      raise IndexError(index)
+    file = int(np.searchsorted(self._offsets, index, side="right")) - 1
+    return file, index - int(self._offsets[file])
+
+  def record_id(self, index: int) -> str:
+    file, position = self._locate(index)
+    return f"{self._paths[file]}:{position}"
+
+  def __getitem__(self, index: int) -> Any:
+    self._locate(index)  # IndexError outside the source
+    try:
+      data = self._data[index]
+    except (RuntimeError, ValueError) as e:  # the reader's error for a damaged chunk
+      raise RecordError("unreadable_file", str(e)[:200]) from None
+    try:
+      return framing.decode(data)[1]
+    except framing.FramingError as e:
+      raise RecordError("corrupt_record", str(e)) from None
