@@ -2,7 +2,10 @@
 
 Each group is consumed in index order, so the fetcher keeps a window of the next
 indices of every group in flight. Results are addressed by (group, index), never
-by arrival order: the packed stream is the same for any number of workers.
+by arrival order: the packed stream is the same for any number of workers. When
+the element the packer needs has not been picked up by a worker yet (workers
+still starting, or all busy), the main process computes it itself instead of
+waiting: the first batch does not wait for worker start-up.
 """
 
 from __future__ import annotations
@@ -54,7 +57,7 @@ class Fetcher:
     self._submit(group, index)
     for ahead in range(1, self._depths[group] + 1):
       self._submit(group, index + ahead)
-    return self._result(self._futures.pop((group, index)), group, index)
+    return self._result(group, index)
 
   def get_many(self, keys: Sequence[tuple[int, int]]) -> list[Any]:
     """Several elements at once (a restore's buffer), computed in parallel."""
@@ -62,9 +65,12 @@ class Fetcher:
       return [self._datasets[g][i] for g, i in keys]
     for g, i in keys:
       self._submit(g, i)
-    return [self._result(self._futures.pop(key), *key) for key in map(tuple, keys)]
+    return [self._result(g, i) for g, i in keys]
 
-  def _result(self, future, group: int, index: int) -> Any:
+  def _result(self, group: int, index: int) -> Any:
+    future = self._futures.pop((group, index))
+    if future.cancel():  # no worker has taken it yet: do it here
+      return self._datasets[group][index]
     try:
       return future.result()
     except BrokenProcessPool as e:
