@@ -242,8 +242,9 @@ def _group(name: str, raw: Any, info: Mapping, info_dir: str, info_file: str,
   kwargs["datasets"] = _datasets(name, raw, info, info_dir, info_file, file)
   if "weight" in raw:
     kwargs["weight"] = _number(raw["weight"], float, file=file, group=name, key="weight")
-    if kwargs["weight"] < 0:
-      raise ConfigError("`weight` must be >= 0", file=file, group=name, key="weight")
+    if not 0 <= kwargs["weight"] < float("inf"):  # also refuses nan
+      raise ConfigError("`weight` must be a finite number >= 0", file=file, group=name,
+                        key="weight")
   for key in ("is_mandatory", "shuffle_lines"):
     if key in raw:
       if not isinstance(raw[key], bool):

@@ -1,0 +1,49 @@
+"""Shared fixtures: the generated demo dataset, its config and its tokenizer."""
+
+import os
+
+# Before anything imports jax: the JAX tests run on 8 simulated CPU devices.
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from bagel_grain import demo_data
+from bagel_grain.config import config_from_dict
+from bagel_grain.tokenizer import load_tokenizer
+
+CONFIGS = Path(__file__).resolve().parents[1] / "configs"
+
+
+def redirected_config(name: str, demo_dir: Path):
+  """configs/NAME with `dataset_info` and `tokenizer_path` pointing at `demo_dir`."""
+  path = CONFIGS / name
+  raw = yaml.safe_load(path.read_text())
+  raw["dataset_info"] = str(demo_dir / "dataset_info.yaml")
+  raw["tokenizer_path"] = str(demo_dir / "tokenizer")
+  return config_from_dict(raw, file=str(path), base_dir=str(CONFIGS))
+
+
+@pytest.fixture(scope="session")
+def demo_dir(tmp_path_factory) -> Path:
+  return demo_data.make_sample_data(tmp_path_factory.mktemp("demo_data"))
+
+
+@pytest.fixture(scope="session")
+def load_redirected(demo_dir):
+  """`load_redirected("example.yaml")`: a shipped config, on the generated demo data."""
+  return lambda name: redirected_config(name, demo_dir)
+
+
+@pytest.fixture(scope="session")
+def demo_config(demo_dir):
+  return redirected_config("demo.yaml", demo_dir)
+
+
+@pytest.fixture(scope="session")
+def demo_tokenizer(demo_dir):
+  # The tokenizer.json file loads without importing transformers; same ids as the folder.
+  return load_tokenizer(demo_dir / "tokenizer" / "tokenizer.json")

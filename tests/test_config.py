@@ -1,0 +1,257 @@
+"""Loading BAGEL/NeMo YAML configs: the shipped files, path resolution, and clear errors."""
+
+import os
+import re
+import shutil
+from pathlib import Path
+
+import pytest
+import yaml
+
+from bagel_grain.config import config_from_dict, load_config
+from bagel_grain.errors import ConfigError
+
+CONFIGS = Path(__file__).resolve().parents[1] / "configs"
+UPSTREAM_MAX_PIXELS = 14 * 14 * 9 * 1024
+
+
+def _roles(cfg):
+  """Per group: (VAE stride, ViT stride); None where the family has no such transform."""
+  return {g.name: (g.vae_transform and g.vae_transform.image_stride,
+                   g.vit_transform and g.vit_transform.image_stride) for g in cfg.groups}
+
+
+def test_example_yaml_loads_with_upstream_values(load_redirected, demo_dir):
+  cfg = load_redirected("example.yaml")
+  assert [g.name for g in cfg.groups] == ["t2i_pretrain", "unified_edit", "vlm_sft"]
+  assert (cfg.expected_num_tokens, cfg.max_num_tokens, cfg.max_num_tokens_per_sample) == (
+    32768, 36864, 16384)
+  assert (cfg.text_cond_dropout_prob, cfg.vit_cond_dropout_prob,
+          cfg.vae_cond_dropout_prob) == (0.1, 0.3, 0.3)
+  assert (cfg.max_latent_size, cfg.max_num_patch_per_side, cfg.interpolate_pos) == (64, 70, False)
+  assert _roles(cfg) == {"t2i_pretrain": (16, None), "unified_edit": (16, 14),
+                         "vlm_sft": (None, 14)}
+  t2i, edit, vlm = cfg.groups
+  assert vlm.vit_transform.max_pixels == 2007040
+  assert vlm.vit_transform.max_image_size == 980 and vlm.vit_transform.min_image_size == 378
+  assert t2i.vae_transform.max_pixels == UPSTREAM_MAX_PIXELS  # not given: upstream default
+  assert edit.vit_transform.max_image_size == 518
+  assert [g.is_mandatory for g in cfg.groups] == [True, False, True]
+  assert [g.datasets[0].num_used_data for g in cfg.groups] == [10, 10, 1000]
+  assert (vlm.frame_sampler.min_num_frames, vlm.frame_sampler.max_num_frames) == (8, 12)
+  assert vlm.shuffle_lines and vlm.shuffle_seed == 0
+  assert cfg.vae_image_size == 1024
+  assert Path(t2i.datasets[0].data_dir) == demo_dir / "t2i"
+  assert Path(vlm.datasets[0].jsonl_path) == demo_dir / "vlm" / "sft.jsonl"
+  assert Path(edit.datasets[0].parquet_info_path) == demo_dir / "edit" / "parquet_info.json"
+
+
+def test_demo_yaml_loads(demo_config, demo_dir):
+  cfg = demo_config
+  assert (cfg.expected_num_tokens, cfg.max_num_tokens, cfg.max_num_tokens_per_sample) == (
+    8192, 10240, 8192)
+  assert (cfg.prefer_buffer_before, cfg.max_buffer_size) == (4096, 16)
+  assert (cfg.text_cond_dropout_prob, cfg.vit_cond_dropout_prob,
+          cfg.vae_cond_dropout_prob) == (0.1, 0.3, 0.3)
+  assert _roles(cfg) == {"t2i_pretrain": (16, None), "unified_edit": (16, 14),
+                         "vlm_sft": (None, 14)}
+  assert cfg.vae_image_size == 512
+  assert cfg.group("vlm_sft").frame_sampler.max_num_frames == 6
+  assert cfg.group("vlm_sft").vit_transform.max_pixels == UPSTREAM_MAX_PIXELS
+  assert Path(cfg.tokenizer_path) == demo_dir / "tokenizer"
+
+
+def test_shipped_file_loads_unchanged_from_its_own_folder(tmp_path, demo_dir):
+  # configs/example.yaml names ../.demo_data: recreate that layout around a copy.
+  (tmp_path / "configs").mkdir()
+  shutil.copy(CONFIGS / "example.yaml", tmp_path / "configs" / "example.yaml")
+  (tmp_path / ".demo_data").symlink_to(demo_dir, target_is_directory=True)
+  cfg = load_config(tmp_path / "configs" / "example.yaml")
+  assert os.path.samefile(cfg.tokenizer_path, demo_dir / "tokenizer")
+  assert os.path.samefile(cfg.group("vlm_sft").datasets[0].jsonl_path,
+                          demo_dir / "vlm" / "sft.jsonl")
+  assert load_config(tmp_path / "configs" / "example.yaml", num_workers=3).num_workers == 3
+
+
+# --- a small valid config, edited to make each error ----------------------------------
+
+
+@pytest.fixture
+def root(tmp_path):
+  for folder in ("t2i", "edit", "vlm"):
+    (tmp_path / folder).mkdir()
+  (tmp_path / "vlm" / "sft.jsonl").write_text("")
+  return tmp_path
+
+
+def minimal():
+  """Three groups; dataset_info paths relative to the config's base_dir."""
+  return {
+    "dataset_info": {
+      "t2i_pretrain": {"demo_t2i": {"data_dir": "t2i", "num_files": 2}},
+      "unified_edit": {"demo_edit": {"data_dir": "edit"}},
+      "vlm_sft": {"demo_vlm": {"data_dir": "vlm", "jsonl_path": "vlm/sft.jsonl"}},
+    },
+    "grouped_datasets": {
+      "t2i_pretrain": {
+        "dataset_names": ["demo_t2i"], "weight": 2,
+        "image_transform_args": {"image_stride": 16, "max_image_size": 512,
+                                 "min_image_size": 256}},
+      "unified_edit": {
+        "dataset_names": ["demo_edit"], "resume_data_status": True,
+        "image_transform_args": {"image_stride": 16, "max_image_size": 384,
+                                 "min_image_size": 192},
+        "vit_image_transform_args": {"image_stride": 14, "max_image_size": 378,
+                                     "min_image_size": 196}},
+      "vlm_sft": {
+        "dataset_names": ["demo_vlm"],
+        "image_transform_args": {"image_stride": 14, "max_image_size": 490,
+                                 "min_image_size": 224}},
+    },
+  }
+
+
+def test_minimal_config_is_valid(root):
+  cfg = config_from_dict(minimal(), file="main.yaml", base_dir=str(root))
+  assert cfg.group("t2i_pretrain").weight == 2.0
+  assert Path(cfg.group("t2i_pretrain").datasets[0].data_dir) == root / "t2i"
+  assert cfg.max_latent_size == 32 and cfg.max_num_patch_per_side == 70  # upstream defaults
+
+
+def _set(raw, dotted, value):
+  *parents, last = dotted.split(".")
+  for key in parents:
+    raw = raw[key]
+  raw[last] = value
+
+
+def _where(group, key):
+  return re.escape(f"group {group!r}, key {key!r}" if group else f"key {key!r}")
+
+
+T2I, EDIT, VLM = "grouped_datasets.t2i_pretrain", "grouped_datasets.unified_edit", \
+  "grouped_datasets.vlm_sft"
+
+ERRORS = {
+  "unknown_top_level_key": ("max_tokens", 4096,
+                            "unknown top-level key.*" + _where(None, "max_tokens")),
+  "unknown_group_key": (f"{T2I}.image_size", 512, _where("t2i_pretrain", "image_size")),
+  "unknown_family": ("grouped_datasets.text_pretrain", {"dataset_names": ["x"]},
+                     "unknown dataset family.*" + _where("text_pretrain", "text_pretrain")),
+  "missing_data_dir": ("dataset_info.t2i_pretrain.demo_t2i.data_dir", "no_such_dir",
+                       "path does not exist.*no_such_dir.*"
+                       + _where("t2i_pretrain", "demo_t2i.data_dir")),
+  "weight_word": (f"{T2I}.weight", "heavy", "got 'heavy'.*" + _where("t2i_pretrain", "weight")),
+  "weight_bool": (f"{VLM}.weight", True, "got True.*" + _where("vlm_sft", "weight")),
+  "vae_stride": (f"{T2I}.image_transform_args.image_stride", 8,
+                 "stride 8 must equal vae_image_downsample 16.*"
+                 + _where("t2i_pretrain", "image_transform_args.image_stride")),
+  "edit_vit_stride": (f"{EDIT}.vit_image_transform_args.image_stride", 16,
+                      "stride 16 must equal vit_patch_size 14.*"
+                      + _where("unified_edit", "vit_image_transform_args.image_stride")),
+  "vlm_vit_stride": (f"{VLM}.image_transform_args.image_stride", 16,
+                     "stride 16 must equal vit_patch_size 14.*"
+                     + _where("vlm_sft", "image_transform_args.image_stride")),
+  # 1024 / 16 = 64 latents per side > max_latent_size 32.
+  "vae_too_large": (f"{T2I}.image_transform_args.max_image_size", 1024,
+                    "exceeds max_latent_size 32.*"
+                    + _where("t2i_pretrain", "image_transform_args.max_image_size")),
+  # 994 / 14 = 71 patches per side > 70.
+  "edit_vit_too_large": (f"{EDIT}.vit_image_transform_args.max_image_size", 994,
+                         "exceeds max_num_patch_per_side 70.*"
+                         + _where("unified_edit", "vit_image_transform_args.max_image_size")),
+  "vlm_vit_too_large": (f"{VLM}.image_transform_args.max_image_size", 994,
+                        "exceeds max_num_patch_per_side 70.*"
+                        + _where("vlm_sft", "image_transform_args.max_image_size")),
+  "frames_min_over_max": (f"{VLM}.frame_sampler_args", {"max_num_frames": 4, "min_num_frames": 8},
+                          "min_num_frames <= max_num_frames.*"
+                          + _where("vlm_sft", "frame_sampler_args")),
+  "zero_frames": (f"{VLM}.frame_sampler_args", {"max_num_frames": 0, "min_num_frames": 0},
+                  _where("vlm_sft", "frame_sampler_args")),
+  "per_sample_over_max": ("max_num_tokens_per_sample", 40000,
+                          "exceeds max_num_tokens 36864.*"
+                          + _where(None, "max_num_tokens_per_sample")),
+  "num_used_data_length": (f"{T2I}.num_used_data", [1, 2],
+                           _where("t2i_pretrain", "num_used_data")),
+  "unknown_dataset_name": (f"{T2I}.dataset_names", ["demo_t2i", "laion"],
+                           "'laion' is not in `dataset_info`.*" + _where("t2i_pretrain", "laion")),
+}
+
+
+@pytest.mark.parametrize("dotted,value,match", ERRORS.values(), ids=ERRORS.keys())
+def test_config_errors_name_the_key_and_group(root, dotted, value, match):
+  raw = minimal()
+  _set(raw, dotted, value)
+  with pytest.raises(ConfigError, match=match):
+    config_from_dict(raw, file="main.yaml", base_dir=str(root))
+
+
+def test_geometry_limits_are_inclusive(root):
+  raw = minimal()
+  _set(raw, f"{VLM}.image_transform_args.max_image_size", 980)  # exactly 70 patches
+  _set(raw, f"{T2I}.image_transform_args.max_image_size", 1024)
+  _set(raw, "max_latent_size", 64)  # exactly 64 latents
+  cfg = config_from_dict(raw, file="main.yaml", base_dir=str(root))
+  assert cfg.vae_image_size == 1024
+
+
+# --- sections in their own files, NeMo's `dataset:` nesting -----------------------------
+
+
+def _write_yaml(path, value):
+  path.parent.mkdir(parents=True, exist_ok=True)
+  path.write_text(yaml.safe_dump(value))
+
+
+def test_sections_in_separate_files_resolve_relative_to_those_files(tmp_path):
+  raw = minimal()
+  info = raw["dataset_info"]
+  info["t2i_pretrain"]["demo_t2i"]["data_dir"] = "data/t2i"
+  info["unified_edit"]["demo_edit"]["data_dir"] = "data/edit"
+  info["vlm_sft"]["demo_vlm"] = {"data_dir": "data/vlm", "jsonl_path": "data/vlm/sft.jsonl"}
+  for folder in ("t2i", "edit", "vlm"):
+    (tmp_path / "info" / "data" / folder).mkdir(parents=True)
+  (tmp_path / "info" / "data" / "vlm" / "sft.jsonl").write_text("")
+  _write_yaml(tmp_path / "info" / "dataset_info.yaml", info)
+  _write_yaml(tmp_path / "groups" / "mixture.yaml", raw["grouped_datasets"])
+  _write_yaml(tmp_path / "main.yaml", {"dataset_info": "info/dataset_info.yaml",
+                                       "grouped_datasets": "groups/mixture.yaml"})
+  cfg = load_config(tmp_path / "main.yaml")
+  assert Path(cfg.group("t2i_pretrain").datasets[0].data_dir) == tmp_path / "info/data/t2i"
+  assert Path(cfg.group("vlm_sft").datasets[0].jsonl_path) == (
+    tmp_path / "info/data/vlm/sft.jsonl")
+  # An error inside the groups file names that file.
+  raw["grouped_datasets"]["t2i_pretrain"]["weight"] = "heavy"
+  _write_yaml(tmp_path / "groups" / "mixture.yaml", raw["grouped_datasets"])
+  with pytest.raises(ConfigError, match=re.escape(str(tmp_path / "groups" / "mixture.yaml"))):
+    load_config(tmp_path / "main.yaml")
+
+
+def test_nemo_dataset_section_is_accepted(root):
+  raw = minimal()
+  raw["dataset"] = {"_target_": "nemo_automodel.components.datasets.multimodal.build",
+                    "max_num_tokens": 20480, "expected_num_tokens": 16384,
+                    "max_num_tokens_per_sample": 8192, "data_seed": 7,
+                    "vae_cond_dropout_prob": 0.5, "interpolate_pos": True}
+  cfg = config_from_dict(raw, file="main.yaml", base_dir=str(root))
+  assert (cfg.max_num_tokens, cfg.expected_num_tokens, cfg.max_num_tokens_per_sample) == (
+    20480, 16384, 8192)
+  assert (cfg.data_seed, cfg.vae_cond_dropout_prob, cfg.interpolate_pos) == (7, 0.5, True)
+
+
+def test_nemo_key_given_twice_is_an_error(root):
+  raw = minimal()
+  raw["max_num_tokens"] = 20480
+  raw["dataset"] = {"max_num_tokens": 30000}
+  with pytest.raises(ConfigError, match=_where(None, "max_num_tokens")):
+    config_from_dict(raw, file="main.yaml", base_dir=str(root))
+
+
+@pytest.mark.parametrize("weight", [float("nan"), float("inf"), -1])
+def test_weight_must_be_finite_and_non_negative(demo_dir, weight):
+  raw = yaml.safe_load((CONFIGS / "demo.yaml").read_text())
+  raw["dataset_info"] = str(demo_dir / "dataset_info.yaml")
+  raw["tokenizer_path"] = str(demo_dir / "tokenizer")
+  raw["grouped_datasets"]["vlm_sft"]["weight"] = weight
+  with pytest.raises(ConfigError, match=r"finite.*group 'vlm_sft', key 'weight'"):
+    config_from_dict(raw, file="w.yaml", base_dir=str(CONFIGS))
