@@ -107,6 +107,8 @@ class PipelineConfig:
   max_decode_pixels: int = 89_478_485  # Pillow's own default limit
   allow_truncated_images: bool = False
   max_consecutive_drops: int = 1000
+  bad_record_window: int = 200  # a group whose last N records are mostly bad stops the run
+  max_bad_ratio: float = 0.9
 
   @property
   def vae_image_size(self) -> int:

@@ -123,6 +123,8 @@ def build_packer(cfg: PipelineConfig, tokenizer, *, seed: int | None = None,
       seed=seed,
       process_index=process_index,
       max_consecutive_drops=cfg.max_consecutive_drops,
+      bad_record_window=cfg.bad_record_window,
+      max_bad_ratio=cfg.max_bad_ratio,
       fingerprint=fingerprint(cfg, tokenizer, seed=seed, process_index=process_index,
                               process_count=process_count),
       workers=cfg.num_workers if workers is None else workers)

@@ -229,3 +229,21 @@ def test_state_from_another_stream_is_refused():
   other = dataclasses.replace(spec_for(groups), fingerprint={"test": 2})
   with pytest.raises(StateMismatchError, match="test: saved 1, now 2"):
     MixPackIterator(groups, other).set_state(state)
+
+
+def test_group_mostly_bad_over_a_window_is_an_error():
+  # 19 of every 20 records are bad: never 20 bad in a row, but the window sees it.
+  groups = [[make_sample(0, i, 50, drop_reason=None if i % 20 == 0 else "bad_image")
+             for i in range(2000)]]
+  spec = dataclasses.replace(spec_for(groups, max_drops=1000), bad_record_window=100,
+                             max_bad_ratio=0.9)
+  with pytest.raises(GroupExhaustedError, match=r"'g0': 95 of its last 100 .*bad_image: 95"):
+    run(groups, spec)
+
+
+def test_occasional_bad_records_pass_the_window_check():
+  groups = [[make_sample(0, i, 50, drop_reason="bad_image" if i % 2 else None)
+             for i in range(400)]]
+  spec = dataclasses.replace(spec_for(groups), bad_record_window=50, max_bad_ratio=0.6)
+  it, rows = run(groups, spec)
+  assert it.stats()["drops"]["g0"] == {"bad_image": 200}

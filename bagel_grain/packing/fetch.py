@@ -49,7 +49,11 @@ class Fetcher:
   def _submit(self, group: int, index: int) -> None:
     key = (group, index)
     if key not in self._futures and index < len(self._datasets[group]):
-      self._futures[key] = self._pool.submit(_compute, group, index)
+      try:
+        self._futures[key] = self._pool.submit(_compute, group, index)
+      except BrokenProcessPool as e:
+        self.close()
+        raise WorkerError(f"the worker pool broke (a worker process died): {e}") from None
 
   def get(self, group: int, index: int) -> Any:
     if self._pool is None:

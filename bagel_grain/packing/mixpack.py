@@ -50,7 +50,13 @@ class PackingSpec:
   process_index: int
   max_consecutive_drops: int
   fingerprint: dict[str, Any]
+  bad_record_window: int = 200
+  max_bad_ratio: float = 0.9
   workers: int = 0
+
+
+def _top(reasons: collections.Counter) -> str:
+  return ", ".join(f"{r}: {n}" for r, n in reasons.most_common(3))
 
 
 def draw_group(seed: int, process_index: int, draw: int, weights: Sequence[float],
@@ -108,6 +114,8 @@ class MixPackIterator(grain.DatasetIterator):
     self._buffer: collections.deque[PreparedSample] = collections.deque()
     self._carried: collections.deque[PreparedSample] = collections.deque()
     self._counters = PackingStats(self._spec.group_names)
+    # Drop reasons (None = usable) of each group's latest records, for the bad-ratio check.
+    self._recent = [collections.deque(maxlen=self._spec.bad_record_window) for _ in range(n)]
 
   # -- drawing samples ---------------------------------------------------------
 
@@ -125,6 +133,7 @@ class MixPackIterator(grain.DatasetIterator):
       element = self._fetcher.get(group, index)
       self._seconds["waiting_for_samples"] += time.perf_counter() - start
       reason = self._drop_reason(element)
+      self._check_bad_ratio(group, reason, element.key.record)
       if reason is None:
         self._counters.drawn(group, element.image_tokens)
         self._counters.noted(group, element.notes)
@@ -133,12 +142,25 @@ class MixPackIterator(grain.DatasetIterator):
       self._counters.dropped(group, reason)
       bad[reason] += 1
       if sum(bad.values()) >= spec.max_consecutive_drops:
-        top = ", ".join(f"{r}: {n}" for r, n in bad.most_common(3))
         raise GroupExhaustedError(
             f"group {spec.group_names[group]!r} yielded no usable sample in "
-            f"{spec.max_consecutive_drops} consecutive records (top reasons: {top}; last "
-            f"record: {element.key.record}). Fix the data, or raise `max_consecutive_drops`.")
+            f"{spec.max_consecutive_drops} consecutive records (top reasons: "
+            f"{_top(bad)}; last record: {element.key.record}). Fix the data, or raise "
+            "`max_consecutive_drops`.")
     return None
+
+  def _check_bad_ratio(self, group: int, reason: str | None, record: str) -> None:
+    """Stops a group whose latest `bad_record_window` records are mostly bad."""
+    recent, spec = self._recent[group], self._spec
+    recent.append(reason)
+    if len(recent) < recent.maxlen:
+      return
+    bad = collections.Counter(r for r in recent if r is not None)
+    if sum(bad.values()) > spec.max_bad_ratio * len(recent):
+      raise GroupExhaustedError(
+          f"group {spec.group_names[group]!r}: {sum(bad.values())} of its last {len(recent)} "
+          f"records were dropped (top reasons: {_top(bad)}; last record: {record}). Fix the "
+          "data, or raise `max_bad_ratio` / `bad_record_window`.")
 
   def _drop_reason(self, element: PreparedSample | Dropped) -> str | None:
     if isinstance(element, Dropped):
