@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import io
 import os
 import struct
 import warnings
+from typing import Sequence
 
 import numpy as np
 from PIL import Image, ImageFile
@@ -115,28 +117,13 @@ def enable_truncated_images() -> None:
   ImageFile.LOAD_TRUNCATED_IMAGES = True
 
 
-def decode_image(data: bytes, *, max_pixels_decode: int, allow_truncated: bool = False) -> Image.Image:
-  """Decode encoded bytes to an RGB image, checking the header size before decoding.
-
-  Raises ImageError with reason "too_many_pixels" (header over the cap, or a Pillow
-  decompression-bomb signal, so the effective cap is also bounded by Pillow's
-  `Image.MAX_IMAGE_PIXELS`), "truncated_image" or "bad_image". Pillow's globals
-  are left untouched (the local warnings.catch_warnings is itself process-wide
-  before Python 3.14; it only escalates DecompressionBombWarning).
-  `allow_truncated` only documents intent: decoding a truncated file needs the
-  process-wide `enable_truncated_images()` switch, which the pipeline sets once
-  at build time. EXIF orientation is not applied (upstream does not apply it).
-  """
-  del allow_truncated  # Governed by the process-wide switch; see the docstring.
+@contextlib.contextmanager
+def _image_errors():
+  """Maps everything Pillow raises on bad input to ImageError with its stats reason."""
   try:
     with warnings.catch_warnings():
       warnings.simplefilter("error", Image.DecompressionBombWarning)
-      img = Image.open(io.BytesIO(data))
-      w, h = img.size
-      if w * h > max_pixels_decode:
-        raise ImageError("too_many_pixels", f"{w}x{h} > {max_pixels_decode} pixels")
-      img.load()
-      return to_rgb(img)
+      yield
   except ImageError:
     raise
   except (Image.DecompressionBombError, Image.DecompressionBombWarning) as e:
@@ -151,6 +138,52 @@ def decode_image(data: bytes, *, max_pixels_decode: int, allow_truncated: bool =
     raise ImageError("bad_image", f"{type(e).__name__}: {e}") from e
 
 
+def _open_checked(data: bytes, max_pixels_decode: int) -> Image.Image:
+  """Opens lazily (header only) and refuses a header over the pixel cap before decoding."""
+  img = Image.open(io.BytesIO(data))
+  w, h = img.size
+  if w * h > max_pixels_decode:
+    raise ImageError("too_many_pixels", f"{w}x{h} > {max_pixels_decode} pixels")
+  return img
+
+
+def decode_image(data: bytes, *, max_pixels_decode: int, allow_truncated: bool = False) -> Image.Image:
+  """Decode encoded bytes to an RGB image, checking the header size before decoding.
+
+  Raises ImageError with reason "too_many_pixels" (header over the cap, or a Pillow
+  decompression-bomb signal, so the effective cap is also bounded by Pillow's
+  `Image.MAX_IMAGE_PIXELS`), "truncated_image" or "bad_image". Pillow's globals
+  are left untouched (the local warnings.catch_warnings is itself process-wide
+  before Python 3.14; it only escalates DecompressionBombWarning).
+  `allow_truncated` only documents intent: decoding a truncated file needs the
+  process-wide `enable_truncated_images()` switch, which the pipeline sets once
+  at build time. EXIF orientation is not applied (upstream does not apply it).
+  """
+  del allow_truncated  # Governed by the process-wide switch; see the docstring.
+  with _image_errors():
+    img = _open_checked(data, max_pixels_decode)
+    img.load()
+    return to_rgb(img)
+
+
+def decode_resized(data: bytes, targets: Sequence[tuple[ImageTransform, int]], *,
+                   max_pixels_decode: int, jpeg_draft: bool = False) -> list[np.ndarray]:
+  """Decodes once and resizes to every `(transform, img_num)` target (uint8 HWC each).
+
+  `jpeg_draft` (opt-in, off by default: it changes pixels slightly) lets libjpeg
+  decode a JPEG at 1/2, 1/4 or 1/8 scale when every target is at least that much
+  smaller, then resizes from there; sizes are still computed from the full image.
+  """
+  with _image_errors():
+    img = _open_checked(data, max_pixels_decode)
+    sizes = [resize_size(img.width, img.height, t, n) for t, n in targets]
+    if jpeg_draft and img.format == "JPEG":
+      img.draft(None, (max(w for w, _ in sizes), max(h for _, h in sizes)))
+    img.load()
+    rgb = to_rgb(img)
+  return [resize_to(rgb, size) for size in sizes]
+
+
 def decode_image_file(path: str | os.PathLike, *, max_pixels_decode: int,
                       allow_truncated: bool = False) -> Image.Image:
   """decode_image on a local file's bytes; a missing or unreadable file is an OSError."""
@@ -159,14 +192,18 @@ def decode_image_file(path: str | os.PathLike, *, max_pixels_decode: int,
   return decode_image(data, max_pixels_decode=max_pixels_decode, allow_truncated=allow_truncated)
 
 
+def resize_to(img: Image.Image, size: tuple[int, int]) -> np.ndarray:
+  """PIL bicubic resize of an RGB image to `size` (w, h); uint8 HWC contiguous array."""
+  if size != img.size:  # Pillow's same-size resize is a plain copy: skipping is identical.
+    img = img.resize(size, Image.BICUBIC)
+  return np.ascontiguousarray(np.asarray(img, dtype=np.uint8))
+
+
 def resize_image(img: Image.Image, transform: ImageTransform, img_num: int = 1) -> np.ndarray:
   """Resize an RGB image by the BAGEL rule with PIL bicubic; uint8 HWC contiguous array."""
   if img.mode != "RGB":
     img = to_rgb(img)
-  size = resize_size(img.width, img.height, transform, img_num)
-  if size != img.size:  # Pillow's same-size resize is a plain copy: skipping is identical.
-    img = img.resize(size, Image.BICUBIC)
-  return np.ascontiguousarray(np.asarray(img, dtype=np.uint8))
+  return resize_to(img, resize_size(img.width, img.height, transform, img_num))
 
 
 def load_and_resize(data: bytes, transform: ImageTransform, img_num: int = 1, *,

@@ -18,15 +18,17 @@ import numpy as np
 TEXT = 1
 
 # (u8/255 - 0.5)/0.5 as torchvision computes it in float32 (and `to_bagel_dict` on the
-# host). A table, because inside jit XLA turns `/ 255` into `* (1/255)`, which is
-# off by an ulp for some values (255 -> 1.0000001).
+# host). A table, because XLA's float division is not correctly rounded on every
+# backend (on CPU, inside jit, 255 -> 1.0000001), while a lookup is exact everywhere.
 _PIXEL_VALUES = ((np.arange(256, dtype=np.float32) / np.float32(255) - np.float32(0.5))
                  / np.float32(0.5))
 
 
 def normalize_pixels(pixels: jax.Array, valid: jax.Array, dtype=jnp.float32) -> jax.Array:
   """uint8 -> `(x/255 - 0.5)/0.5` in [-1, 1] where `valid` (broadcast), 0 elsewhere."""
-  x = jnp.asarray(_PIXEL_VALUES)[pixels.astype(jnp.int32)]
+  index = jnp.asarray(pixels).astype(jnp.int32)
+  # The result is laid out like the pixels (explicit-sharding meshes ask for it).
+  x = jnp.asarray(_PIXEL_VALUES).at[index].get(out_sharding=jax.typeof(index).sharding)
   return jnp.where(valid, x, 0.0).astype(dtype)
 
 

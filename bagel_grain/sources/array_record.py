@@ -45,14 +45,17 @@ def array_record_files(path: str) -> list[str]:
 
 
 def _num_records(path: str) -> int:
+  """Records in the file, from its footer; a file cut short has none or fails to close."""
   try:
     reader = array_record_module.ArrayRecordReader(path)
-  except (RuntimeError, ValueError, OSError) as e:
-    raise DatasetError(f"cannot open ArrayRecord file: {e}", file=path) from None
-  try:
-    return reader.num_records()
-  finally:
+    n = reader.num_records() if reader.ok() else 0
     reader.close()
+  except (RuntimeError, ValueError, OSError) as e:
+    raise DatasetError(f"cannot read ArrayRecord file, damaged or truncated: {e}",
+                       file=path) from None
+  if n == 0:
+    raise DatasetError("ArrayRecord file holds no records: empty or truncated", file=path)
+  return n
 
 
 class ArrayRecordSource:
@@ -70,9 +73,6 @@ class ArrayRecordSource:
       raise DatasetError("no ArrayRecord files given", field="array_record_path")
     with concurrent.futures.ThreadPoolExecutor(min(16, len(self._paths))) as pool:
       counts = list(pool.map(_num_records, self._paths))
-    for path, n in zip(self._paths, counts):
-      if n == 0:  # the reader finds no records in a file cut short (its footer is gone)
-        raise DatasetError("ArrayRecord file holds no records: empty or truncated", file=path)
     self._offsets = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
     self._data = grain.sources.ArrayRecordDataSource(
         [_FileInstruction(p, 0, n, n) for p, n in zip(self._paths, counts)])
