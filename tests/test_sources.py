@@ -243,6 +243,11 @@ def test_fewer_row_groups_than_processes_splits_rows(tmp_path):
 
 
 def test_shard_blocks_needs_a_record_per_process():
-  assert shard_blocks([(0, 2)], 1, 2) == [(1, 2)]
+  # One block of two rows, two processes: the rows are split, one each.
+  starts, sizes = shard_blocks([2], 1, 2)
+  assert starts.tolist() == [1] and sizes.tolist() == [1]
+  # Three blocks of 4, 1, 2 rows: contiguous shares.
+  starts, sizes = shard_blocks([4, 1, 2], 0, 2)
+  assert starts.tolist() == [0, 4] and sizes.tolist() == [4, 1]
   with pytest.raises(DatasetError):
-    shard_blocks([(0, 2)], 0, 3)
+    shard_blocks([2], 0, 3)

@@ -28,8 +28,8 @@ def _footer(path: str) -> pq.FileMetaData:
 class ParquetRowSource:
   """Rows of a list of parquet files (repeats allowed), as dicts of `columns`.
 
-  Index order is file by file, row group by row group; `blocks()` gives the row
-  groups as index ranges so the order layer can shuffle them as units and read
+  Index order is file by file, row group by row group; `block_sizes()` gives the
+  row groups' sizes so the order layer can shuffle them as units and read
   each row group once per pass. A small LRU of decoded row groups serves the rows.
   """
 
@@ -82,9 +82,8 @@ class ParquetRowSource:
   def __len__(self) -> int:
     return int(self._block_start[-1])
 
-  def blocks(self) -> list[tuple[int, int]]:
-    starts = self._block_start.tolist()
-    return list(zip(starts[:-1], starts[1:]))
+  def block_sizes(self) -> np.ndarray:
+    return np.diff(self._block_start)
 
   def _locate(self, index: int) -> tuple[int, int]:
     if not 0 <= index < len(self):

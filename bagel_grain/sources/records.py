@@ -61,9 +61,8 @@ class ConcatSource:
     d = int(np.searchsorted(self._offsets, index, side="right")) - 1
     return d, index - int(self._offsets[d])
 
-  def blocks(self) -> list[tuple[int, int]]:
-    return [(int(o) + a, int(o) + b) for o, s in zip(self._offsets, self._sources)
-            for a, b in s.blocks()]
+  def block_sizes(self) -> np.ndarray:
+    return np.concatenate([s.block_sizes() for s in self._sources]).astype(np.int64)
 
   def record_id(self, index: int) -> str:
     d, i = self.locate(index)
@@ -74,19 +73,21 @@ class ConcatSource:
     return self._sources[d][i]
 
 
-def shard_blocks(blocks: Sequence[tuple[int, int]], process_index: int,
-                 process_count: int) -> list[tuple[int, int]]:
-  """A contiguous, disjoint share of the blocks for one process.
+def shard_blocks(sizes: np.ndarray, process_index: int,
+                 process_count: int) -> tuple[np.ndarray, np.ndarray]:
+  """A contiguous, disjoint share of the blocks for one process, as (starts, sizes).
 
   With fewer blocks than processes the blocks are split into single rows first,
   so that every process still gets records.
   """
-  if len(blocks) < process_count:
-    blocks = [(i, i + 1) for a, b in blocks for i in range(a, b)]
-  if len(blocks) < process_count:
-    raise DatasetError(f"{len(blocks)} records cannot be shared by {process_count} processes")
-  parts = np.array_split(np.arange(len(blocks)), process_count)[process_index]
-  return [blocks[i] for i in parts]
+  sizes = np.asarray(sizes, np.int64)
+  starts = np.cumsum(sizes) - sizes
+  if len(sizes) < process_count:
+    starts, sizes = np.arange(int(sizes.sum()), dtype=np.int64), np.ones(int(sizes.sum()), np.int64)
+  if len(sizes) < process_count:
+    raise DatasetError(f"{len(sizes)} records cannot be shared by {process_count} processes")
+  share = np.array_split(np.arange(len(sizes)), process_count)[process_index]
+  return starts[share], sizes[share]
 
 
 class ShuffledRecords(grain.MapDataset):
@@ -96,9 +97,8 @@ class ShuffledRecords(grain.MapDataset):
                process_count: int = 1, num_epochs: int | None = None):
     super().__init__()
     self._source = source
-    blocks = shard_blocks(source.blocks(), process_index, process_count)
-    self._block_start = np.asarray([a for a, _ in blocks], np.int64)
-    self._block_len = np.asarray([b - a for a, b in blocks], np.int64)
+    self._block_start, self._block_len = shard_blocks(source.block_sizes(), process_index,
+                                                      process_count)
     self._per_epoch = int(self._block_len.sum())
     if self._per_epoch == 0:
       raise DatasetError("the group has no records")
