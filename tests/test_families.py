@@ -439,3 +439,20 @@ def test_too_short_intervals_fall_back_to_a_sorted_permutation():
     assert len(indices) == 8 and indices == sorted(set(indices))
     seen.update(indices)
   assert seen == set(range(12))  # per-interval draws could never pick frame 11
+
+
+def test_video_folder_missing_or_with_a_frame_linking_out_is_dropped(tmp_path):
+  from bagel_grain.families import video
+  from bagel_grain.families.base import Drop
+  with pytest.raises(Drop) as missing:
+    video.frame_folder(str(tmp_path / "gone") + "/")
+  assert missing.value.reason == "missing_file"
+  clip = tmp_path / "clip"
+  clip.mkdir()
+  outside = tmp_path / "secret.jpg"
+  outside.write_bytes(b"not read")
+  (clip / "frame_1.jpg").write_bytes(b"x")
+  (clip / "frame_2.jpg").symlink_to(outside)
+  with pytest.raises(Drop) as escaped:
+    video.frame_folder(str(clip) + "/")
+  assert escaped.value.reason == "path_outside_data_dir"

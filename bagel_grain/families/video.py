@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 
 import numpy as np
@@ -34,9 +35,17 @@ def sample_frame_indices(vlen: int, min_frames: int, max_frames: int,
 
 
 def frame_folder(folder: str) -> list[str]:
-  """Frames `*_N.jpg` of a folder, in N order."""
-  frames = [(int(m.group(1)), path) for path in fs.list_files(folder)
-            if (m := _FRAME_NUMBER.search(path))]
+  """Frames `*_N.jpg` of a folder, in N order; a frame linking out of the folder is refused."""
+  try:
+    listed = fs.list_files(folder)
+  except OSError as e:
+    raise Drop("missing_file", f"video folder {folder}: {e}"[:200]) from None
+  frames = [(int(m.group(1)), path) for path in listed if (m := _FRAME_NUMBER.search(path))]
+  if not fs.is_uri(folder):
+    root = os.path.realpath(folder)
+    for _, path in frames:
+      if not os.path.realpath(path).startswith(root + os.sep):
+        raise Drop("path_outside_data_dir", f"frame {path} links out of its folder"[:200])
   if not frames:
     raise Drop("video_unreadable", f"no *_N.jpg frames in {folder}")
   return [path for _, path in sorted(frames)]
