@@ -105,6 +105,8 @@ class PipelineConfig:
   num_epochs: int | None = None
   # Bad-input limits.
   max_decode_pixels: int = 89_478_485  # Pillow's own default limit
+  # Opt-in fast path, off by default: changes pixels slightly (README: fast paths).
+  jpeg_draft: bool = False
   allow_truncated_images: bool = False
   max_consecutive_drops: int = 1000
   bad_record_window: int = 200  # a group whose last N records are mostly bad stops the run

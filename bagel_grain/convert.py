@@ -96,10 +96,9 @@ def _embed_video(relative: Any, data_dir: str, files: dict, errors: dict) -> Non
   if path.endswith(os.sep) or path.endswith("/"):
     try:
       frames = video.frame_folder(path)
-    except Drop:
-      return  # no frames: the family drops it as `video_unreadable`, as from disk
-    except OSError:
-      errors[relative] = "missing_file"  # the folder itself is not there
+    except Drop as e:
+      if e.reason != "video_unreadable":  # no frames: the family finds that out itself
+        errors[relative] = e.reason  # a missing folder, a frame linking out
       return
     for frame in frames:
       name = relative + os.path.basename(frame)

@@ -54,7 +54,8 @@ def _source(cfg: PipelineConfig, group: int) -> ConcatSource:
 
 def _family(cfg: PipelineConfig, group: int, tokenizer):
   g = cfg.groups[group]
-  common = dict(group=group, tokenizer=tokenizer, max_decode_pixels=cfg.max_decode_pixels)
+  common = dict(group=group, tokenizer=tokenizer, max_decode_pixels=cfg.max_decode_pixels,
+                jpeg_draft=cfg.jpeg_draft)
   if g.family == "t2i_pretrain":
     return T2ITransform(vae_transform=g.vae_transform, **common)
   if g.family == "unified_edit":

@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import abc
-from typing import Any
+from typing import Any, Sequence
 
 import grain
 import numpy as np
 
-from bagel_grain.images import ImageError, ImageTransform, decode_image, resize_image
+from bagel_grain.images import ImageError, ImageTransform, decode_resized
 from bagel_grain.sample import Dropped, Sample, SampleKey
 from bagel_grain.sources.records import Record
 
@@ -26,6 +26,19 @@ def require(condition: bool, reason: str, detail: str = "") -> None:
     raise Drop(reason, detail)
 
 
+def is_text(value: Any) -> bool:
+  """A str that UTF-8 can hold: JSON's `\\ud800` escapes decode to lone surrogates,
+  which the tokenizer and the filesystem layer refuse with a TypeError or
+  UnicodeEncodeError instead of a drop."""
+  if not isinstance(value, str):
+    return False
+  try:
+    value.encode("utf-8")
+  except UnicodeEncodeError:
+    return False
+  return True
+
+
 class FamilyTransform(grain.transforms.RandomMap, abc.ABC):
   """A Grain RandomMap from `Record` to `Sample | Dropped`.
 
@@ -33,10 +46,12 @@ class FamilyTransform(grain.transforms.RandomMap, abc.ABC):
   from (seed, element index): the sample key alone re-creates the sample.
   """
 
-  def __init__(self, *, group: int, tokenizer, max_decode_pixels: int):
+  def __init__(self, *, group: int, tokenizer, max_decode_pixels: int,
+               jpeg_draft: bool = False):
     self.group = group
     self.tokenizer = tokenizer
     self.max_decode_pixels = max_decode_pixels
+    self.jpeg_draft = jpeg_draft
 
   @abc.abstractmethod
   def parse(self, record: Record, rng: np.random.Generator) -> Sample:
@@ -56,14 +71,12 @@ class FamilyTransform(grain.transforms.RandomMap, abc.ABC):
     except ImageError as e:
       return Dropped(e.reason, self.key(record), str(e)[:200])
 
-  def decode(self, data: Any):
+  def load(self, data: Any, targets: Sequence[tuple[ImageTransform, int]]) -> list[np.ndarray]:
+    """Encoded image bytes, decoded once and resized to each (transform, img_num)."""
     require(isinstance(data, (bytes, bytearray, memoryview)), "wrong_type",
             f"image is {type(data).__name__}, not bytes")
-    return decode_image(bytes(data), max_pixels_decode=self.max_decode_pixels)
-
-  @staticmethod
-  def resize(image, transform: ImageTransform, img_num: int = 1) -> np.ndarray:
-    return resize_image(image, transform, img_num)
+    return decode_resized(bytes(data), targets, max_pixels_decode=self.max_decode_pixels,
+                          jpeg_draft=self.jpeg_draft)
 
   @staticmethod
   def image_tokens(pixels: np.ndarray, stride: int) -> int:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from bagel_grain.families.base import FamilyTransform, require
+from bagel_grain.families.base import FamilyTransform, is_text, require
 from bagel_grain.images import ImageTransform
 from bagel_grain.sample import PlanItem, Sample
 from bagel_grain.sources.records import Record
@@ -26,7 +26,7 @@ def check_row(images, instructions) -> None:
   for step in instructions:
     require(isinstance(step, list), "bad_edit_lists", "a step is not a list of paraphrases")
     require(len(step) > 0, "bad_edit_lists", "a step has no paraphrase")
-    require(all(isinstance(p, str) for p in step), "bad_edit_lists", "a paraphrase is not a string")
+    require(all(is_text(p) for p in step), "bad_edit_lists", "a paraphrase is not UTF-8 text")
 
 
 class EditTransform(FamilyTransform):
@@ -75,13 +75,15 @@ class EditTransform(FamilyTransform):
           plan.append(VAE_LOSS)
           sources.append(("vae", i))
 
-    decoded, resized = {}, {}
+    kinds: dict[int, list[str]] = {}  # image -> the transforms it needs; decoded once
     for kind, i in sources:
-      if (kind, i) not in resized:  # each image decoded once, resized once per transform
-        if i not in decoded:
-          decoded[i] = self.decode(images[i])
-        transform = self.vae_transform if kind == "vae" else self.vit_transform
-        resized[(kind, i)] = self.resize(decoded[i], transform)
+      if kind not in kinds.setdefault(i, []):
+        kinds[i].append(kind)
+    resized = {}
+    for i, needed in kinds.items():
+      transforms = [self.vae_transform if k == "vae" else self.vit_transform for k in needed]
+      for k, pixels in zip(needed, self.load(images[i], [(t, 1) for t in transforms])):
+        resized[(k, i)] = pixels
     pixels = tuple(resized[s] for s in sources)
     ids = tuple(self.tokenizer.encode_batch(texts))
     num_tokens = sum(len(t) for t in ids) + sum(

@@ -6,7 +6,7 @@ import json
 
 import numpy as np
 
-from bagel_grain.families.base import Drop, FamilyTransform, require
+from bagel_grain.families.base import Drop, FamilyTransform, is_text, require
 from bagel_grain.images import ImageTransform
 from bagel_grain.sample import PlanItem, Sample
 from bagel_grain.sources.records import Record
@@ -24,7 +24,7 @@ def parse_captions(raw) -> list[str]:
     raise Drop("bad_caption", f"invalid JSON: {e}"[:200]) from None
   require(isinstance(captions, dict), "bad_caption", "captions JSON is not a mapping")
   values = list(captions.values())
-  require(all(isinstance(v, str) for v in values), "bad_caption", "a caption is not a string")
+  require(all(is_text(v) for v in values), "bad_caption", "a caption is not UTF-8 text")
   return values
 
 
@@ -44,7 +44,7 @@ class T2ITransform(FamilyTransform):
       caption = captions[int(rng.integers(len(captions)))]
     else:
       caption, notes = " ", ("empty_caption",)  # upstream: an unconditional sample
-    pixels = self.resize(self.decode(fields.get("image")), self.vae_transform)
+    [pixels] = self.load(fields.get("image"), [(self.vae_transform, 1)])
     ids = self.encode(caption)
     num_tokens = len(ids) + self.image_tokens(pixels, self.vae_transform.image_stride)
     return Sample(PLAN, (ids,), (pixels,), num_tokens, self.key(record), notes)

@@ -11,8 +11,8 @@ import numpy as np
 from bagel_grain import fs
 from bagel_grain.config import FrameSamplerArgs
 from bagel_grain.families import video
-from bagel_grain.families.base import Drop, FamilyTransform, require
-from bagel_grain.images import ImageTransform, decode_image
+from bagel_grain.families.base import Drop, FamilyTransform, is_text, require
+from bagel_grain.images import ImageTransform, resize_image
 from bagel_grain.sample import PlanItem, Sample
 from bagel_grain.sources.framing import LineWithFiles
 from bagel_grain.sources.records import Record
@@ -24,7 +24,7 @@ ANSWER = PlanItem("text", enable_cfg=0, loss=1)
 
 def _check_relative(relative: str) -> None:
   """Drop unless `relative` is a non-empty relative path string."""
-  require(isinstance(relative, str) and relative != "", "wrong_type", "path is not a string")
+  require(is_text(relative) and relative != "", "wrong_type", "path is not UTF-8 text")
   require(not os.path.isabs(relative) and not fs.is_uri(relative) and "\x00" not in relative,
           "path_outside_data_dir", relative[:200])
 
@@ -63,7 +63,7 @@ def plan_turns(conversations, num_images: int) -> tuple[list[PlanItem], list[str
   for turn in conversations:
     require(isinstance(turn, dict), "wrong_type", "a turn is not an object")
     role, value = turn.get("from"), turn.get("value")
-    require(isinstance(value, str), "bad_turn", "a turn's value is not a string")
+    require(is_text(value), "bad_turn", "a turn's value is not UTF-8 text")
     if role == "human":
       if "<image>" not in value:
         plan.append(PROMPT)  # upstream keeps such a turn verbatim (not stripped)
@@ -97,17 +97,15 @@ class VLMTransform(FamilyTransform):
     self.frame_sampler = frame_sampler
     self.data_dirs = data_dirs
 
-  def _load(self, path: str, files: LineWithFiles | None):
+  def _read(self, path: str, files: LineWithFiles | None) -> bytes:
     if files is not None:  # a converted record: its files travel with it
       if path not in files.files:
         raise Drop(files.file_errors.get(path, "missing_file"), path[:200])
-      data = files.files[path]
-    else:
-      try:
-        data = fs.read_bytes(path)
-      except OSError as e:
-        raise Drop("missing_file", str(e)[:200]) from None
-    return decode_image(data, max_pixels_decode=self.max_decode_pixels)
+      return files.files[path]
+    try:
+      return fs.read_bytes(path)
+    except OSError as e:
+      raise Drop("missing_file", str(e)[:200]) from None
 
   def _video_frames(self, path: str, rng: np.random.Generator,
                     files: LineWithFiles | None) -> list:
@@ -154,9 +152,12 @@ class VLMTransform(FamilyTransform):
     used = sum(item.type == "vit_image" for item in plan)
     notes = ("unused_images",) if used < len(images) else ()
     pixels = []
+    target = [(self.vit_transform, len(images))]
     for image in images[:used]:
-      decoded = self._load(image, files) if isinstance(image, str) else image
-      pixels.append(self.resize(decoded, self.vit_transform, img_num=len(images)))
+      if isinstance(image, str):
+        pixels.extend(self.load(self._read(image, files), target))
+      else:  # a frame decoded from a video file
+        pixels.append(resize_image(image, self.vit_transform, len(images)))
     text_ids = tuple(self.tokenizer.encode_batch(texts))
     num_tokens = sum(len(t) for t in text_ids) + sum(
         self.image_tokens(p, self.vit_transform.image_stride) for p in pixels)
