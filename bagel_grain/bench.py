@@ -11,6 +11,7 @@ figure is reported beside its ratio to that floor.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import resource
 import statistics
@@ -24,6 +25,7 @@ import psutil
 
 from bagel_grain.config import PipelineConfig
 from bagel_grain.pipeline import _family, _source, build_pipeline, group_seed, pipeline_stats
+from bagel_grain.sample import Sample
 from bagel_grain.sources.records import ShuffledRecords
 
 
@@ -138,9 +140,8 @@ def measure_pipeline(cfg: PipelineConfig, tokenizer, *, workers: int, batch_size
   }
 
 
-def measure_floor(cfg: PipelineConfig, keys_by_window: Sequence[Sequence[tuple[str, int]]],
-                  *, seed: int) -> dict[str, Any]:
-  """Decode + RGB + resize of the same samples, alone and single-threaded, per window."""
+def _family_samples(cfg: PipelineConfig, seed: int):
+  """Per group: records read ahead, and the family transform alone over them."""
   sources, records, samples = {}, {}, {}
   for g, group in enumerate(cfg.groups):
     sources[group.name] = _source(cfg, g)
@@ -149,6 +150,13 @@ def measure_floor(cfg: PipelineConfig, keys_by_window: Sequence[Sequence[tuple[s
     # Grain seeds the family's RNG exactly as in the pipeline: same choices, same images.
     samples[group.name] = grain.MapDataset.source(records[group.name]).random_map(
         _family(cfg, g, _NoTokenizer()), seed=group_seed(seed, g))
+  return sources, records, samples
+
+
+def measure_floor(cfg: PipelineConfig, keys_by_window: Sequence[Sequence[tuple[str, int]]],
+                  *, seed: int) -> dict[str, Any]:
+  """Decode + RGB + resize of the same samples, alone and single-threaded, per window."""
+  sources, records, samples = _family_samples(cfg, seed)
   rates = []
   for keys in keys_by_window:
     for name, index in keys:
@@ -162,6 +170,29 @@ def measure_floor(cfg: PipelineConfig, keys_by_window: Sequence[Sequence[tuple[s
   served = sum(getattr(s, "bytes_served", 0) for s in parts)
   return {"image_tokens_per_s": statistics.median(rates), "windows": rates,
           "parquet_bytes_read_per_byte_used": read / served if served else None}
+
+
+def measure_jpeg_draft(cfg: PipelineConfig, keys: Sequence[tuple[str, int]], *,
+                       seed: int) -> dict[str, Any]:
+  """The opt-in draft decoding against the exact path: speed-up and pixel difference."""
+  paths = {draft: _family_samples(dataclasses.replace(cfg, jpeg_draft=draft), seed)
+           for draft in (False, True)}
+  seconds, outputs = {False: [], True: []}, {}
+  for _ in range(2):  # alternate, keep each path's best: no cold-start bias for either
+    for draft, (_, records, samples) in paths.items():
+      for name, index in keys:
+        records[name].read(index)
+      t0 = time.perf_counter()
+      outputs[draft] = [samples[name][index] for name, index in keys]
+      seconds[draft].append(time.perf_counter() - t0)
+  seconds = {draft: min(times) for draft, times in seconds.items()}
+  diffs = [np.abs(a.astype(np.int16) - b.astype(np.int16))
+           for x, y in zip(outputs[False], outputs[True]) if isinstance(x, Sample)
+           for a, b in zip(x.images, y.images)]
+  flat = np.concatenate([d.ravel() for d in diffs]) if diffs else np.zeros(1)
+  return {"speedup": seconds[False] / seconds[True], "mean_abs_diff": float(flat.mean()),
+          "max_abs_diff": int(flat.max()),
+          "images_changed": sum(bool(d.any()) for d in diffs), "images": len(diffs)}
 
 
 class _ReadAhead:
@@ -181,7 +212,7 @@ class _ReadAhead:
 
 
 def _resized_tokens(cfg: PipelineConfig, sample) -> int:
-  if not hasattr(sample, "plan"):
+  if not isinstance(sample, Sample):
     return 0
   seen = {}
   items = (item for item in sample.plan if item.type != "text")
@@ -198,13 +229,15 @@ def run_bench(cfg: PipelineConfig, tokenizer, *, workers: Sequence[int], seconds
                            windows=windows) for w in workers]
   reference = next((r for r in runs if r["workers"] == 0), runs[0])
   floor = measure_floor(cfg, reference["keys_by_window"], seed=cfg.data_seed)
+  draft = measure_jpeg_draft(cfg, [k for w in reference["keys_by_window"] for k in w],
+                             seed=cfg.data_seed)
   for r in runs:
     r["ratio_to_floor"] = r["image_tokens_per_s"] / floor["image_tokens_per_s"]
     del r["keys_by_window"]
   single = reference["image_tokens_per_s"]
   for r in runs:
     r["speedup_vs_0_workers"] = r["image_tokens_per_s"] / single
-  return {"floor": floor, "runs": runs,
+  return {"floor": floor, "runs": runs, "jpeg_draft": draft,
           "config": {"expected_num_tokens": cfg.expected_num_tokens,
                      "max_num_tokens": cfg.max_num_tokens,
                      "groups": [g.name for g in cfg.groups], "batch_size": batch_size,
@@ -225,6 +258,10 @@ def format_table(report: dict[str, Any]) -> str:
         f"{r['peak_rss_main_mib']:8.0f}/{r['peak_rss_worker_mib']:<8.0f}  "
         f"{r['row_fill']:.3f}  {r['vit_slot_use']:.2f}/{r['vae_token_slot_use']:.2f}/"
         f"{r['vae_image_slot_use']:.2f}")
+  d = report["jpeg_draft"]
+  lines.append(f"jpeg_draft fast path (opt-in): {d['speedup']:.2f}x the exact decode+resize; "
+               f"pixels differ in {d['images_changed']}/{d['images']} images, mean "
+               f"{d['mean_abs_diff']:.2f}, max {d['max_abs_diff']} (uint8)")
   ratio = report["floor"]["parquet_bytes_read_per_byte_used"]
   if ratio is not None:
     lines.append(f"parquet bytes read per byte used: {ratio:.3f}")

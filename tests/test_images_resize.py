@@ -234,3 +234,21 @@ def test_resize_size_is_stride_aligned(w, h, t, img_num):
     assert v >= t.image_stride and v % t.image_stride == 0
   # The long edge overshoots max_image_size by less than a stride (DESIGN.md section 5).
   assert max(out_w, out_h) < t.max_image_size + t.image_stride
+
+
+def test_jpeg_draft_fast_path_stays_within_its_documented_difference():
+  """README: draft decoding differs by at most 3.0 mean / 80 max (uint8) on the goldens."""
+  from bagel_grain.images import decode_resized
+  cases = load_json("resized_pixels.json")
+  transforms = {k: ImageTransform(**v) for k, v in cases["transforms"].items()}
+  engaged = 0
+  for case in cases["cases"]:
+    data = (GOLDEN / "images" / case["source"]).read_bytes()
+    target = [(transforms[case["transform"]], case["img_num"])]
+    exact = decode_resized(data, target, max_pixels_decode=CAP)[0]
+    fast = decode_resized(data, target, max_pixels_decode=CAP, jpeg_draft=True)[0]
+    assert fast.shape == exact.shape
+    diff = np.abs(exact.astype(int) - fast.astype(int))
+    engaged += bool(diff.any())
+    assert diff.mean() <= 3.0 and diff.max() <= 80, case
+  assert engaged >= 3  # the fast path does engage on downscaled JPEGs
