@@ -1,4 +1,4 @@
-"""The `bagel-grain` command: make-sample-data, demo, make-bench-data, bench."""
+"""The `bagel-grain` command: make-sample-data, demo, make-bench-data, bench, convert."""
 
 from __future__ import annotations
 
@@ -106,6 +106,16 @@ def _bench(args) -> int:
   return 0
 
 
+def _convert(args) -> int:
+  from bagel_grain.convert import convert_config_file  # pylint: disable=import-outside-toplevel
+  done = convert_config_file(args.config, args.out, records_per_shard=args.records_per_shard,
+                             overwrite=args.overwrite, num_threads=args.threads)
+  for d in done.datasets:
+    print(f"{d.group}/{d.name}: {d.num_records} records in {len(d.files)} ArrayRecord files")
+  print(f"wrote {done.dataset_info}\nuse it with: --config {done.config}")
+  return 0
+
+
 def main(argv=None) -> int:
   parser = argparse.ArgumentParser(prog="bagel-grain", description=__doc__)
   sub = parser.add_subparsers(dest="command", required=True)
@@ -133,6 +143,13 @@ def main(argv=None) -> int:
   p.add_argument("--json", help="write the full report here")
   p.add_argument("--plot", help="write a PNG of throughput against worker count")
   p.set_defaults(run=_bench)
+  p = sub.add_parser("convert", help="convert a config's parquet/JSONL data to ArrayRecord")
+  p.add_argument("--config", required=True)
+  p.add_argument("--out", required=True)
+  p.add_argument("--records-per-shard", type=int, default=4096)
+  p.add_argument("--overwrite", action="store_true")
+  p.add_argument("--threads", type=int, default=16)
+  p.set_defaults(run=_convert)
   args = parser.parse_args(argv)
   return args.run(args)
 

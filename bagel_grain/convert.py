@@ -240,7 +240,7 @@ def convert_config(cfg: PipelineConfig, out_dir: str | os.PathLike, *,
       try:
         files = convert_dataset(g, d, folder, records_per_shard=records_per_shard,
                                 writer_options=writer_options, overwrite=overwrite,
-                                num_threads=num_threads, progress=bar.update if bar else None)
+                                num_threads=num_threads, progress=bar.update if bar is not None else None)
       finally:
         if bar is not None:
           bar.close()
