@@ -229,8 +229,10 @@ class RowBuilder:
     row["split_lens"][:k] = _cat([x.split_lens for x in lays], np.int32)
     row["split_modes"][:k] = _cat([x.split_modes for x in lays], np.int8)
 
-    p = caps.vit_patch_size
-    row["vit_patches"][:v] = _cat([x.vit_patches for x in lays], np.uint8, (p * p * 3,))
+    start = 0
+    for x in lays:  # straight into the slots: the largest field, copied once
+      row["vit_patches"][start:start + len(x.vit_patches)] = x.vit_patches
+      start += len(x.vit_patches)
     row["vit_position_ids"][:v] = _cat([x.vit_position_ids for x in lays], np.int32)
     row["vit_token_index"][:v] = _cat(
         [x.vit_token_index + o for x, o in zip(lays, tok_off)], np.int32)
