@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import collections
 import json
+import os
 import sys
 import time
 
@@ -98,6 +99,9 @@ def _bench(args) -> int:
   report = bench.run_bench(cfg, tokenizer, workers=args.workers, seconds=args.seconds,
                            windows=args.windows, batch_size=args.batch_size)
   print(bench.format_table(report))
+  for path in (args.json, args.plot):
+    if path:
+      os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
   if args.json:
     with open(args.json, "w") as f:
       json.dump(report, f, indent=1, default=float)
