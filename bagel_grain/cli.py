@@ -1,4 +1,4 @@
-"""The `bagel-grain` command: make-sample-data, demo, make-bench-data, bench, convert."""
+"""The `bagel-grain` command: make-sample-data, demo, inspect, make-bench-data, bench, convert."""
 
 from __future__ import annotations
 
@@ -110,6 +110,14 @@ def _bench(args) -> int:
   return 0
 
 
+def _inspect(args) -> int:
+  from bagel_grain.inspect_row import inspect_pipeline_row  # pylint: disable=import-outside-toplevel
+  os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+  print(inspect_pipeline_row(args.config, args.out, index=args.index, seed=args.seed))
+  print(f"wrote {args.out}")
+  return 0
+
+
 def _convert(args) -> int:
   from bagel_grain.convert import convert_config_file  # pylint: disable=import-outside-toplevel
   done = convert_config_file(args.config, args.out, records_per_shard=args.records_per_shard,
@@ -132,6 +140,12 @@ def main(argv=None) -> int:
   p.add_argument("--batch-size", type=int, default=2)
   p.add_argument("--workers", type=int, default=None)
   p.set_defaults(run=_demo)
+  p = sub.add_parser("inspect", help="draw one packed row (bands, mask, images) as a PNG")
+  p.add_argument("--config", default="configs/demo.yaml")
+  p.add_argument("--out", default="out/row.png")
+  p.add_argument("--index", type=int, default=0, help="which packed row of the stream")
+  p.add_argument("--seed", type=int, default=None)
+  p.set_defaults(run=_inspect)
   p = sub.add_parser("make-bench-data", help="write the benchmark dataset (real photographs)")
   p.add_argument("dir", nargs="?", default=".bench_data")
   p.add_argument("--t2i-rows", type=int, default=800)

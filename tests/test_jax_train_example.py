@@ -36,6 +36,7 @@ def test_train_example_compiles_once_and_resumes_exactly(demo_dir, tmp_path):
   assert results["devices"] == 8 and results["global_batch"] == 8
   assert results["compiles"]["train_step"] == 1
   assert results["traces"]["train_step"] == 1  # the resumed run reused the compiled step
+  assert results["backend_compiles_in_later_steps"] == 0
   assert len(results["losses"]) == len(results["resumed_losses"]) == 3
   assert results["resumed_final_loss"] == results["final_loss"]
   assert results["max_abs_loss_diff"] == 0.0

@@ -25,6 +25,7 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 CAUSAL, FULL, NOISE = 0, 1, 2
@@ -144,7 +145,6 @@ def splash_mask(intervals_row, num_heads: int = 1):
   evaluates `mask_block` per tile). Needs `jax.experimental.pallas`.
   """
   # pylint: disable=import-outside-toplevel,protected-access
-  import numpy as np
   from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as sam
 
   first = np.asarray(intervals_row[0], np.int32)

@@ -1,0 +1,60 @@
+"""inspect_row: a packed row as a PNG (bands, mask, thumbnails) and a text summary."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+from PIL import Image
+
+from bagel_grain.inspect_row import inspect_row, vae_images, vit_images
+from bagel_grain.packing.layout import patchify
+from bagel_grain.packing.positions import flattened_position_ids
+from bagel_grain.pipeline import build_pipeline
+
+
+def test_vit_images_are_rebuilt_from_patches_and_position_ids():
+  rng = np.random.default_rng(0)
+  first = rng.integers(0, 256, (28, 42, 3), dtype=np.uint8)
+  second = rng.integers(0, 256, (14, 14, 3), dtype=np.uint8)
+  row = {
+      "vit_patches": np.concatenate([patchify(first, 14), patchify(second, 14),
+                                     np.zeros((2, 588), np.uint8)]),
+      "vit_position_ids": np.concatenate([flattened_position_ids(28, 42, 14, 70,
+                                                                 interpolate=False),
+                                          flattened_position_ids(14, 14, 14, 70,
+                                                                 interpolate=False), [0, 0]]),
+      "vit_image_ids": np.array([1] * 6 + [2] + [0, 0]),
+  }
+  got = vit_images(row, 14)
+  assert len(got) == 2
+  assert np.array_equal(got[0], first) and np.array_equal(got[1], second)
+
+
+def test_vae_images_are_cropped_to_their_size():
+  images = np.zeros((3, 32, 32, 3), np.uint8)
+  images[0, :16, :32] = 7
+  got = vae_images({"vae_images": images, "vae_image_hw": np.array([[16, 32], [32, 16], [0, 0]])})
+  assert [im.shape for im in got] == [(16, 32, 3), (32, 16, 3)]
+  assert (got[0] == 7).all()
+
+
+def test_inspect_row_draws_a_demo_row_and_summarises_it(demo_config, demo_tokenizer, tmp_path):
+  cfg = dataclasses.replace(demo_config, expected_num_tokens=1536, max_num_tokens=2048,
+                            max_num_tokens_per_sample=1536, prefer_buffer_before=768)
+  it = iter(build_pipeline(cfg, demo_tokenizer, batch_size=1, workers=0))
+  try:
+    batch = next(it)
+  finally:
+    it.close()
+  row = {name: value[0] for name, value in batch.items()}
+  out = tmp_path / "row.png"
+  summary = inspect_row(row, str(out), vit_patch_size=cfg.vit_patch_size, width=512)
+
+  image = Image.open(out)
+  assert image.mode == "RGB" and image.width == 70 + 512 and image.height > 512
+  n = int(row["num_samples"])
+  assert summary.startswith(f"row: L=2048, {n} samples, {int(row['num_tokens'])} tokens")
+  assert sum(line.startswith("  sample ") for line in summary.splitlines()) == n
+  for word in ("text", "ViT", "VAE", "causal", "fill", "CE", "MSE"):
+    assert word in summary
