@@ -3,92 +3,180 @@
 Each group is consumed in index order, so the fetcher keeps a window of the next
 indices of every group in flight. Results are addressed by (group, index), never
 by arrival order: the packed stream is the same for any number of workers. When
-the element the packer needs has not been picked up by a worker yet (workers
-still starting, or all busy), the main process computes it itself instead of
-waiting: the first batch does not wait for worker start-up.
+the element the packer needs has not been handed to a worker yet (workers still
+starting, or all busy), the main process computes it itself instead of waiting:
+the first batch does not wait for worker start-up.
+
+Each worker has a pipe of its own (not a shared result queue): a worker that dies,
+even halfway through sending a result, closes the only writer of its pipe, so the
+main process sees end-of-file or the process sentinel within a poll interval and
+raises WorkerError instead of hanging. After that the fetcher stays failed.
 """
 
 from __future__ import annotations
 
-import concurrent.futures
+import collections
 import multiprocessing
-from concurrent.futures.process import BrokenProcessPool
+import traceback
+from multiprocessing.connection import Connection, wait
 from typing import Any, Sequence
 
 from bagel_grain.errors import BagelGrainError
 
-_worker_datasets: Sequence[Any] = ()  # set once per worker process by _init_worker
+_JOBS_PER_WORKER = 2  # handed out ahead, so a worker never idles between results
+_POLL_S = 1.0
 
 
 class WorkerError(BagelGrainError):
   """A worker process died or failed: the stream cannot continue."""
 
 
-def _init_worker(datasets: Sequence[Any]) -> None:
-  global _worker_datasets
-  _worker_datasets = datasets
+def _worker_main(conn: Connection, datasets: Sequence[Any]) -> None:
+  """A worker: computes (group, index) jobs until told to stop (None) or the pipe closes."""
+  while True:
+    try:
+      job = conn.recv()
+    except (EOFError, OSError):
+      return
+    if job is None:
+      return
+    group, index = job
+    try:
+      conn.send(("ok", job, datasets[group][index]))
+    except Exception:  # pylint: disable=broad-except  # reported, then the stream stops
+      conn.send(("error", job, traceback.format_exc()))
 
 
-def _compute(group: int, index: int) -> Any:
-  return _worker_datasets[group][index]
+class _Worker:
+  def __init__(self, ctx, datasets):
+    self.conn, child = ctx.Pipe()
+    self.process = ctx.Process(target=_worker_main, args=(child, datasets), daemon=True)
+    self.process.start()
+    child.close()
+    self.jobs: collections.deque[tuple[int, int]] = collections.deque()
 
 
 class Fetcher:
-  """`get(group, index)`: the element, from a pool of `workers` processes or inline (0)."""
+  """`get(group, index)`: the element, from `workers` processes or inline (0)."""
 
   def __init__(self, datasets: Sequence[Any], *, workers: int, depths: Sequence[int]):
     self._datasets = list(datasets)
     self._depths = list(depths)
-    self._futures: dict[tuple[int, int], concurrent.futures.Future] = {}
-    self._pool = None
+    self._pending: dict[tuple[int, int], None] = {}  # wanted, not yet handed out (ordered)
+    self._done: dict[tuple[int, int], Any] = {}
+    self._workers: list[_Worker] = []
+    self._failure: str | None = None
     if workers > 0:
-      self._pool = concurrent.futures.ProcessPoolExecutor(
-          workers, mp_context=multiprocessing.get_context("spawn"),
-          initializer=_init_worker, initargs=(self._datasets,))
+      ctx = multiprocessing.get_context("spawn")
+      self._workers = [_Worker(ctx, self._datasets) for _ in range(workers)]
 
-  def _submit(self, group: int, index: int) -> None:
-    key = (group, index)
-    if key not in self._futures and index < len(self._datasets[group]):
-      try:
-        self._futures[key] = self._pool.submit(_compute, group, index)
-      except BrokenProcessPool as e:
-        self.close()
-        raise WorkerError(f"the worker pool broke (a worker process died): {e}") from None
+  # -- asking ------------------------------------------------------------------
 
   def get(self, group: int, index: int) -> Any:
-    if self._pool is None:
+    if not self._workers and self._failure is None:
       return self._datasets[group][index]
-    self._submit(group, index)
+    self._want(group, index)
     for ahead in range(1, self._depths[group] + 1):
-      self._submit(group, index + ahead)
-    return self._result(group, index)
+      self._want(group, index + ahead)
+    return self._take((group, index))
 
   def get_many(self, keys: Sequence[tuple[int, int]]) -> list[Any]:
     """Several elements at once (a restore's buffer), computed in parallel."""
-    if self._pool is None:
+    keys = [(int(g), int(i)) for g, i in keys]
+    if not self._workers and self._failure is None:
       return [self._datasets[g][i] for g, i in keys]
-    for g, i in keys:
-      self._submit(g, i)
-    return [self._result(g, i) for g, i in keys]
+    for key in keys:
+      self._want(*key)
+    return [self._take(key) for key in keys]
 
-  def _result(self, group: int, index: int) -> Any:
-    future = self._futures.pop((group, index))
-    if future.cancel():  # no worker has taken it yet: do it here
-      return self._datasets[group][index]
-    try:
-      return future.result()
-    except BrokenProcessPool as e:
-      self.close()
-      raise WorkerError(f"a worker process died while decoding group {group} element "
-                        f"{index}: {e}") from None
+  def _want(self, group: int, index: int) -> None:
+    key = (group, index)
+    if index < len(self._datasets[group]) and key not in self._done and not any(
+        key in w.jobs for w in self._workers):
+      self._pending.setdefault(key, None)
+
+  # -- the pump ----------------------------------------------------------------
+
+  def _take(self, key: tuple[int, int]) -> Any:
+    while True:
+      self._check()
+      if key in self._done:
+        return self._done.pop(key)
+      if not any(key in w.jobs for w in self._workers):  # no worker has it: do it here
+        self._pending.pop(key, None)
+        self._dispatch()
+        return self._datasets[key[0]][key[1]]
+      self._dispatch()
+      self._receive()
+
+  def _dispatch(self) -> None:
+    for w in self._workers:
+      while self._pending and len(w.jobs) < _JOBS_PER_WORKER:
+        key = next(iter(self._pending))
+        del self._pending[key]
+        try:
+          w.conn.send(key)
+        except OSError:  # the worker is gone
+          self._fail(f"worker process {w.process.pid} died (exit code "
+                     f"{w.process.exitcode}) before it was given work")
+        w.jobs.append(key)
+
+  def _receive(self) -> None:
+    busy = [w for w in self._workers if w.jobs]
+    ready = wait([w.conn for w in busy] + [w.process.sentinel for w in busy], _POLL_S)
+    for w in busy:
+      if w.conn in ready:
+        try:
+          status, key, value = w.conn.recv()
+        except (EOFError, OSError):
+          self._fail(f"worker process {w.process.pid} died (exit code "
+                     f"{w.process.exitcode}) while decoding group {w.jobs[0][0]} element "
+                     f"{w.jobs[0][1]}")
+          return
+        w.jobs.remove(key)
+        if status == "error":
+          self._fail(f"group {key[0]} element {key[1]} failed in a worker:\n{value}")
+          return
+        self._done[key] = value
+      elif w.process.sentinel in ready:
+        self._fail(f"worker process {w.process.pid} died (exit code {w.process.exitcode}) "
+                   f"with group {w.jobs[0][0]} element {w.jobs[0][1]} in hand")
+        return
+
+  def _fail(self, message: str) -> None:
+    self._failure = message
+    self.close()
+    self._check()
+
+  def _check(self) -> None:
+    if self._failure is not None:
+      raise WorkerError(self._failure)
+
+  # -- lifecycle ---------------------------------------------------------------
 
   def reset(self) -> None:
-    for future in self._futures.values():
-      future.cancel()
-    self._futures.clear()
+    """Forgets prefetched work (after a restore); jobs already handed out are drained."""
+    self._pending.clear()
+    self._done.clear()
+    while any(w.jobs for w in self._workers) and self._failure is None:
+      self._receive()
+    self._done.clear()
 
   def close(self) -> None:
-    if self._pool is not None:
-      self.reset()
-      self._pool.shutdown(wait=True, cancel_futures=True)
-      self._pool = None
+    """Stops the workers: asked first, then terminated; no process outlives this."""
+    workers, self._workers = self._workers, []
+    for w in workers:
+      try:
+        w.conn.send(None)
+      except (OSError, ValueError):
+        pass
+    for w in workers:
+      w.process.join(timeout=2)
+      if w.process.is_alive():
+        w.process.terminate()
+        w.process.join(timeout=2)
+      if w.process.is_alive():
+        w.process.kill()
+        w.process.join()
+      w.conn.close()
+    self._pending.clear()
