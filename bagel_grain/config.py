@@ -285,31 +285,32 @@ def _group(name: str, raw: Any, info: Mapping, info_dir: str, info_file: str,
   return GroupConfig(**kwargs)
 
 
+def _check_transform(t: ImageTransform, *, kind: str, stride: tuple[str, int],
+                     limit: tuple[str, int], file: str, group: str, key: str) -> None:
+  """A transform's stride must be its role's (VAE or ViT) and its largest image must fit."""
+  (stride_field, stride_value), (limit_field, limit_value) = stride, limit
+  if t.image_stride != stride_value:
+    raise ConfigError(f"{kind} transform stride {t.image_stride} must equal {stride_field} "
+                      f"{stride_value}", file=file, group=group, key=f"{key}.image_stride")
+  if t.max_image_size / stride_value > limit_value:
+    raise ConfigError(
+        f"{kind} max_image_size {t.max_image_size} / {stride_field} {stride_value} exceeds "
+        f"{limit_field} {limit_value}", file=file, group=group, key=f"{key}.max_image_size")
+
+
 def _check_geometry(cfg: PipelineConfig, file: str) -> None:
   for g in cfg.groups:
-    key = "image_transform_args"
-    vae, vit = g.vae_transform, g.vit_transform
-    if vae is not None:
-      if vae.image_stride != cfg.vae_image_downsample:
-        raise ConfigError(
-            f"VAE transform stride {vae.image_stride} must equal vae_image_downsample "
-            f"{cfg.vae_image_downsample}", file=file, group=g.name, key=f"{key}.image_stride")
-      if vae.max_image_size / cfg.vae_image_downsample > cfg.max_latent_size:
-        raise ConfigError(
-            f"VAE max_image_size {vae.max_image_size} / vae_image_downsample "
-            f"{cfg.vae_image_downsample} exceeds max_latent_size {cfg.max_latent_size}",
-            file=file, group=g.name, key=f"{key}.max_image_size")
-    if vit is not None:
-      vkey = "vit_image_transform_args" if g.name == "unified_edit" else key
-      if vit.image_stride != cfg.vit_patch_size:
-        raise ConfigError(
-            f"ViT transform stride {vit.image_stride} must equal vit_patch_size "
-            f"{cfg.vit_patch_size}", file=file, group=g.name, key=f"{vkey}.image_stride")
-      if vit.max_image_size / cfg.vit_patch_size > cfg.max_num_patch_per_side:
-        raise ConfigError(
-            f"ViT max_image_size {vit.max_image_size} / vit_patch_size {cfg.vit_patch_size} "
-            f"exceeds max_num_patch_per_side {cfg.max_num_patch_per_side}",
-            file=file, group=g.name, key=f"{vkey}.max_image_size")
+    if g.vae_transform is not None:
+      _check_transform(g.vae_transform, kind="VAE",
+                       stride=("vae_image_downsample", cfg.vae_image_downsample),
+                       limit=("max_latent_size", cfg.max_latent_size), file=file,
+                       group=g.name, key="image_transform_args")
+    if g.vit_transform is not None:
+      key = "vit_image_transform_args" if g.name == "unified_edit" else "image_transform_args"
+      _check_transform(g.vit_transform, kind="ViT",
+                       stride=("vit_patch_size", cfg.vit_patch_size),
+                       limit=("max_num_patch_per_side", cfg.max_num_patch_per_side),
+                       file=file, group=g.name, key=key)
   if cfg.max_num_tokens_per_sample > cfg.max_num_tokens:
     raise ConfigError(
         f"max_num_tokens_per_sample {cfg.max_num_tokens_per_sample} exceeds max_num_tokens "

@@ -1,6 +1,5 @@
 """ArrayRecord conversion: framed records round-trip, and samples equal the parquet/JSONL ones."""
 
-import io
 import json
 import os
 import pickle
@@ -10,7 +9,6 @@ import numpy as np
 import pytest
 import yaml
 from array_record.python import array_record_module
-from PIL import Image
 
 from bagel_grain import fs
 from bagel_grain.config import FrameSamplerArgs, config_from_dict, load_config
@@ -26,6 +24,7 @@ from bagel_grain.sources import framing
 from bagel_grain.sources.array_record import ArrayRecordSource
 from bagel_grain.sources.framing import FramingError, LineWithFiles
 from bagel_grain.sources.records import ConcatSource, Record, ShuffledRecords
+from vlm_files import png, write_vlm_files
 
 CONFIGS = os.path.join(os.path.dirname(__file__), "..", "configs")
 # The demo config, with num_used_data set: 3 t2i files out of 2 (one repeated), 50 of
@@ -160,10 +159,6 @@ def test_a_truncated_file_is_a_build_error(tmp_path):
     ArrayRecordSource([path])
 
 
-def png(colour=(200, 0, 0), size=(64, 64)):
-  buf = io.BytesIO()
-  Image.new("RGB", size, colour).save(buf, "PNG")
-  return buf.getvalue()
 
 
 # --- conversion of the demo data ------------------------------------------------------
@@ -273,15 +268,7 @@ def test_array_record_path_alone_is_a_dataset(converted, demo_dir):
 
 @pytest.fixture
 def vlm_data(tmp_path, demo_tokenizer):
-  data = tmp_path / "data"
-  data.mkdir()
-  (data / "a.png").write_bytes(png((200, 0, 0), (112, 112)))
-  (data / "corrupt.png").write_bytes(b"\x89PNG but not really")
-  (tmp_path / "outside.png").write_bytes(png((0, 200, 0)))
-  os.symlink(tmp_path / "outside.png", data / "link.png")
-  (data / "clip").mkdir()
-  for n in range(1, 11):
-    Image.new("RGB", (56, 56), (20 * n, 0, 0)).save(data / "clip" / f"frame_{n}.jpg")
+  data = write_vlm_files(tmp_path)
   (data / "clip" / "notes.txt").write_text("not a frame")
   (data / "empty_clip").mkdir()
   (data / "junk.mp4").write_bytes(b"not a video")

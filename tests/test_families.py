@@ -1,14 +1,11 @@
 """Family transforms: records -> samples (plan, texts, images, num_tokens) or Dropped reasons."""
 
-import io
 import json
-import os
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from PIL import Image
 
 from bagel_grain.config import FrameSamplerArgs
 from bagel_grain.families.base import Drop
@@ -24,6 +21,7 @@ from bagel_grain.sample import Dropped, Sample
 from bagel_grain.sources.jsonl import JsonlLineSource
 from bagel_grain.sources.parquet import ParquetRowSource, dataset_files
 from bagel_grain.sources.records import ConcatSource, Record, ShuffledRecords
+from vlm_files import png, write_vlm_files
 
 T2I_PLAN = [("text", 1, 0), ("vae_image", 0, 1)]
 VAE_COND, VIT_COND, TEXT_COND, VAE_LOSS = (
@@ -38,10 +36,6 @@ def shape(sample):
   return [(item.type, item.enable_cfg, item.loss) for item in sample.plan]
 
 
-def png(colour, size=(64, 64)):
-  buf = io.BytesIO()
-  Image.new("RGB", size, colour).save(buf, "PNG")
-  return buf.getvalue()
 
 
 def family_dataset(cfg, name, tokenizer, *, seed):
@@ -293,15 +287,7 @@ FRAMES = FrameSamplerArgs(max_num_frames=5, min_num_frames=3)
 
 @pytest.fixture
 def vlm(tmp_path, demo_tokenizer):
-  data = tmp_path / "data"
-  data.mkdir()
-  (data / "a.png").write_bytes(png((200, 0, 0), (112, 112)))
-  (data / "corrupt.png").write_bytes(b"\x89PNG but not really")
-  (tmp_path / "outside.png").write_bytes(png((0, 200, 0)))
-  os.symlink(tmp_path / "outside.png", data / "link.png")
-  (data / "clip").mkdir()
-  for n in range(1, 11):  # frame_1 .. frame_10, red rising with N
-    Image.new("RGB", (56, 56), (20 * n, 0, 0)).save(data / "clip" / f"frame_{n}.jpg")
+  data = write_vlm_files(tmp_path)
   transform = VLMTransform(vit_transform=VIT, frame_sampler=FRAMES, data_dirs=(str(data),),
                            group=2, tokenizer=demo_tokenizer, max_decode_pixels=MAX_DECODE)
 
