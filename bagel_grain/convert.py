@@ -32,7 +32,7 @@ from bagel_grain import fs
 from bagel_grain.config import DatasetSpec, GroupConfig, PipelineConfig, load_config
 from bagel_grain.errors import DatasetError
 from bagel_grain.families import video
-from bagel_grain.families.base import Drop
+from bagel_grain.families.base import Drop, is_text
 from bagel_grain.families.vlm import inside
 from bagel_grain.pipeline import dataset_source
 from bagel_grain.sources import framing
@@ -68,7 +68,7 @@ class Conversion:
 
 def _locate(relative: Any, data_dir: str, errors: dict[str, str]) -> str | None:
   """The file `relative` names, as the VLM family resolves it; None if it refuses."""
-  if not isinstance(relative, str) or relative in errors:
+  if not is_text(relative) or relative in errors:  # the family drops it as wrong_type
     return None
   try:
     return inside(data_dir, relative)

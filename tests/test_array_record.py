@@ -331,3 +331,12 @@ def test_missing_frame_folder_is_a_missing_file(vlm_data):
   assert record.file_errors == {"gone/": "missing_file"}
   out = transform.random_map(Record(0, 0, "ar", 0, record), np.random.default_rng(0))
   assert out.reason == "missing_file"
+
+
+def test_a_path_with_a_lone_surrogate_converts_and_drops_as_on_disk(vlm_data):
+  data, transform = vlm_data
+  line = json.dumps({"image": "a\udc00.png", "conversations": chat()}).encode()
+  record = embed_line_files(line, str(data))
+  framing.encode(record)  # no UnicodeEncodeError
+  out = transform.random_map(Record(0, 0, "ar", 0, record), np.random.default_rng(0))
+  assert isinstance(out, Dropped) and out.reason == "wrong_type"

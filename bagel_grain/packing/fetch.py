@@ -17,18 +17,37 @@ from __future__ import annotations
 
 import collections
 import multiprocessing
+import pickle
+import time
 import traceback
 from multiprocessing.connection import Connection, wait
 from typing import Any, Sequence
 
 from bagel_grain.errors import BagelGrainError
 
-_JOBS_PER_WORKER = 2  # handed out ahead, so a worker never idles between results
+_JOBS_PER_WORKER = 4  # handed out ahead, so a worker never idles between results
 _POLL_S = 1.0
 
 
 class WorkerError(BagelGrainError):
   """A worker process died or failed: the stream cannot continue."""
+
+
+def _send(conn: Connection, status: str, job: tuple[int, int], value: Any) -> None:
+  """Pickle protocol 5 with the arrays' buffers sent out of band: no copy into the pickle."""
+  buffers: list[pickle.PickleBuffer] = []
+  payload = pickle.dumps(value, protocol=5, buffer_callback=buffers.append)
+  conn.send((status, job, len(buffers)))
+  conn.send_bytes(payload)
+  for buffer in buffers:
+    conn.send_bytes(buffer.raw())
+
+
+def _recv(conn: Connection) -> tuple[str, tuple[int, int], Any]:
+  status, job, count = conn.recv()
+  payload = conn.recv_bytes()
+  buffers = [conn.recv_bytes() for _ in range(count)]
+  return status, tuple(job), pickle.loads(payload, buffers=buffers)  # arrays view the bytes
 
 
 def _worker_main(conn: Connection, datasets: Sequence[Any]) -> None:
@@ -42,9 +61,12 @@ def _worker_main(conn: Connection, datasets: Sequence[Any]) -> None:
       return
     group, index = job
     try:
-      conn.send(("ok", job, datasets[group][index]))
+      value = datasets[group][index]
     except Exception:  # pylint: disable=broad-except  # reported, then the stream stops
-      conn.send(("error", job, traceback.format_exc()))
+      conn.send(("error", job, 0))
+      conn.send_bytes(pickle.dumps(traceback.format_exc()))
+      continue
+    _send(conn, "ok", job, value)
 
 
 class _Worker:
@@ -127,8 +149,9 @@ class Fetcher:
     for w in busy:
       if w.conn in ready:
         try:
-          status, key, value = w.conn.recv()
+          status, key, value = _recv(w.conn)
         except (EOFError, OSError):
+          w.process.join(timeout=1)
           self._fail(f"worker process {w.process.pid} died (exit code "
                      f"{w.process.exitcode}) while decoding group {w.jobs[0][0]} element "
                      f"{w.jobs[0][1]}")
@@ -139,6 +162,7 @@ class Fetcher:
           return
         self._done[key] = value
       elif w.process.sentinel in ready:
+        w.process.join(timeout=1)  # so that its exit code is known
         self._fail(f"worker process {w.process.pid} died (exit code {w.process.exitcode}) "
                    f"with group {w.jobs[0][0]} element {w.jobs[0][1]} in hand")
         return
@@ -170,11 +194,13 @@ class Fetcher:
         w.conn.send(None)
       except (OSError, ValueError):
         pass
+    deadline = time.monotonic() + 1.0  # one shared grace period, then terminate
     for w in workers:
-      w.process.join(timeout=2)
-      if w.process.is_alive():
+      w.process.join(timeout=max(0.0, deadline - time.monotonic()))
+    for w in workers:
+      if w.process.is_alive():  # e.g. blocked sending a result nobody will read
         w.process.terminate()
-        w.process.join(timeout=2)
+      w.process.join(timeout=2)
       if w.process.is_alive():
         w.process.kill()
         w.process.join()

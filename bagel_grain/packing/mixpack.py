@@ -96,11 +96,12 @@ class MixPackIterator(grain.DatasetIterator):
   def __init__(self, groups: Sequence[grain.MapDataset], spec: PackingSpec,
                batch_size: int | None = None):
     super().__init__()
+    self._fetcher = None  # set below; close() may run on a half-built iterator
     self._groups = list(groups)
     self._spec = spec
     self._batch_size = batch_size
     total = sum(spec.weights) or 1.0
-    depths = [2 + int(4 * spec.workers * w / total) + int(m)
+    depths = [2 + int(8 * spec.workers * w / total) + int(m)
               for w, m in zip(spec.weights, spec.mandatory)]
     self._fetcher = Fetcher(self._groups, workers=spec.workers, depths=depths)
     self._builder = RowBuilder(spec.capacities)
@@ -320,4 +321,5 @@ class MixPackIterator(grain.DatasetIterator):
     return report
 
   def close(self) -> None:
-    self._fetcher.close()
+    if self._fetcher is not None:
+      self._fetcher.close()

@@ -1,0 +1,228 @@
+"""Soak run: the pipeline with worker processes for minutes on demo data with injected bad records.
+
+Writes a corrupted copy of the demo data (a `--bad-fraction` of T2I images, edit
+chains and VLM lines replaced by bad ones), then pulls batches for the given time.
+Every `--report-every` seconds it prints the elapsed time, rows, the RSS of the
+main process and of each worker (MiB), and the packer's counters with whether
+they balance (drawn = packed + dropped + buffered + carried). At the end it prints
+a JSON summary; the exit status is 1 when the counters ever failed to balance,
+the stream stopped with an error, or a worker process was replaced.
+
+    python tools/soak.py --minutes 10
+    python tools/soak.py --seconds 20 --report-every 5      # a quick smoke run
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import psutil
+import pyarrow as pa
+import pyarrow.parquet as pq
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+GARBAGE = b"soak: these bytes are not an image"
+_TURNS = '[{"from": "human", "value": "<image>"}, {"from": "gpt", "value": "?"}]'
+BAD_LINES = (  # VLM lines, each one a different kind of bad record
+    "this line is not JSON",
+    '{"image": "../../outside.png", "conversations": %s}' % _TURNS,
+    '{"image": "images/soak_garbage.png", "conversations": %s}' % _TURNS,
+    '{"image": "images/soak_missing.png", "conversations": %s}' % _TURNS,
+)
+
+
+def _chosen(n: int, fraction: float, rng: random.Random) -> set[int]:
+  return set(rng.sample(range(n), max(1, round(n * fraction)))) if n else set()
+
+
+def _corrupt_parquet(src: Path, dst: Path, fraction: float, rng: random.Random) -> int:
+  """Copies a parquet file with a `fraction` of its rows' images replaced by garbage."""
+  meta = pq.read_metadata(src)
+  rows = pq.read_table(src).to_pylist()
+  bad = _chosen(len(rows), fraction, rng)
+  for i in bad:
+    if "image" in rows[i]:
+      rows[i]["image"] = GARBAGE
+    else:  # an edit chain: every image, so whichever the chain starts on is bad
+      rows[i]["image_list"] = [GARBAGE] * len(rows[i]["image_list"])
+  pq.write_table(pa.Table.from_pylist(rows, schema=meta.schema.to_arrow_schema()), dst,
+                 row_group_size=meta.row_group(0).num_rows)
+  return len(bad)
+
+
+def corrupted_copy(demo: Path, out: Path, fraction: float, seed: int) -> dict[str, int]:
+  """Writes the demo data with bad records into `out`; returns how many per group."""
+  rng = random.Random(seed)
+  injected = {"t2i_pretrain": 0, "unified_edit": 0, "vlm_sft": 0}
+  for folder, group in (("t2i", "t2i_pretrain"), ("edit", "unified_edit")):
+    (out / folder).mkdir(parents=True)
+    for src in sorted((demo / folder).glob("*.parquet")):
+      injected[group] += _corrupt_parquet(src, out / folder / src.name, fraction, rng)
+  shutil.copytree(demo / "vlm", out / "vlm")
+  (out / "vlm" / "images" / "soak_garbage.png").write_bytes(GARBAGE)
+  lines = (out / "vlm" / "sft.jsonl").read_text().splitlines()
+  for k, i in enumerate(sorted(_chosen(len(lines), fraction, rng))):
+    lines[i] = BAD_LINES[k % len(BAD_LINES)]
+    injected["vlm_sft"] += 1
+  (out / "vlm" / "sft.jsonl").write_text("\n".join(lines) + "\n")
+  info = {"t2i_pretrain": {"demo_t2i": {"data_dir": "t2i"}},
+          "unified_edit": {"demo_edit": {"data_dir": "edit"}},
+          "vlm_sft": {"demo_vlm": {"data_dir": "vlm", "jsonl_path": "vlm/sft.jsonl"}}}
+  (out / "dataset_info.yaml").write_text(yaml.safe_dump(info))
+  return injected
+
+
+def _workers(me: psutil.Process) -> list[psutil.Process]:
+  """The pool's worker processes (multiprocessing's resource tracker is not one)."""
+  out = []
+  for child in me.children(recursive=True):
+    try:
+      if "resource_tracker" not in " ".join(child.cmdline()):
+        out.append(child)
+    except psutil.Error:
+      pass
+  return out
+
+
+def _rss_mib(proc: psutil.Process) -> float:
+  try:
+    return proc.memory_info().rss / 2**20
+  except psutil.Error:
+    return 0.0
+
+
+def soak(args) -> dict:
+  # pylint: disable=import-outside-toplevel
+  from bagel_grain.config import config_from_dict
+  from bagel_grain.demo_data import make_sample_data
+  from bagel_grain.pipeline import build_pipeline, pipeline_stats
+  from bagel_grain.tokenizer import load_tokenizer
+
+  tmp = Path(tempfile.mkdtemp(prefix="bagel_soak_"))
+  try:
+    demo = Path(args.data) if args.data else make_sample_data(tmp / "demo")
+    injected = corrupted_copy(demo, tmp / "corrupted", args.bad_fraction, args.seed)
+    raw = yaml.safe_load(Path(args.config).read_text())
+    raw.update(dataset_info=str(tmp / "corrupted" / "dataset_info.yaml"),
+               tokenizer_path=str(demo / "tokenizer"), num_epochs=None)
+    cfg = config_from_dict(raw, file=args.config, base_dir=str(Path(args.config).parent))
+    tokenizer = load_tokenizer(demo / "tokenizer" / "tokenizer.json")
+    it = iter(build_pipeline(cfg, tokenizer, batch_size=args.batch_size, workers=args.workers))
+    return _run(it, pipeline_stats, args, injected)
+  finally:
+    if not args.keep:
+      shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _run(it, pipeline_stats, args, injected) -> dict:
+  me = psutil.Process()
+  duration = args.seconds if args.seconds is not None else args.minutes * 60
+  start = time.monotonic()
+  next_report = start + args.report_every
+  rows = batches = 0
+  balanced, error = True, None
+  main_rss, worker_rss, worker_pids = [], [], set()
+  stats = {}
+
+  def sample_memory():
+    workers = _workers(me)
+    worker_pids.update(p.pid for p in workers)
+    main_rss.append(_rss_mib(me))
+    worker_rss.append([_rss_mib(p) for p in workers])
+    return workers
+
+  def report(now):
+    sample_memory()
+    s = stats
+    ok = s["drawn"] == s["packed"] + s["dropped"] + s["buffered"] + s["carried"]
+    print(f"[{now - start:7.1f} s] rows {rows:6d}  rss main {main_rss[-1]:6.0f} MiB  workers "
+          f"{' '.join(f'{r:.0f}' for r in worker_rss[-1]) or '-'} MiB  drawn {s['drawn']} = "
+          f"packed {s['packed']} + dropped {s['dropped']} + buffered {s['buffered']} + "
+          f"carried {s['carried']}: {'balanced' if ok else 'NOT BALANCED'}", flush=True)
+
+  try:
+    while time.monotonic() - start < duration:
+      batch = next(it)
+      batches += 1
+      rows += sum(1 for keys in batch["sample_keys"] if keys)
+      stats = pipeline_stats(it)
+      if stats["drawn"] != (stats["packed"] + stats["dropped"] + stats["buffered"]
+                            + stats["carried"]):
+        balanced = False
+      now = time.monotonic()
+      if now >= next_report:
+        report(now)
+        next_report = now + args.report_every
+  except KeyboardInterrupt:
+    print("interrupted", flush=True)
+  except Exception as e:  # the soak's verdict: any error that stops the stream is reported
+    error = f"{type(e).__name__}: {e}"
+  finally:
+    elapsed = time.monotonic() - start
+    if stats:
+      report(time.monotonic())
+    it.close()
+  time.sleep(0.5)
+  left = [p.pid for p in _workers(me) if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+  drawn = stats.get("drawn", 0)
+  peaks = [max(r, default=0.0) for r in worker_rss]
+  return {
+      "seconds": round(elapsed, 1),
+      "workers": args.workers,
+      "batches": batches,
+      "rows": rows,
+      "rows_per_s": round(rows / elapsed, 2) if elapsed else 0.0,
+      "counters": {k: stats.get(k, 0) for k in ("drawn", "packed", "dropped", "buffered",
+                                                "carried")},
+      "balanced": balanced,
+      "injected_per_epoch": injected,
+      "drop_fraction": round(stats.get("dropped", 0) / drawn, 4) if drawn else 0.0,
+      "drops_by_reason": stats.get("drops_by_reason", {}),
+      "epochs": stats.get("epoch", {}),
+      "rss_main_mib": {"first": round(main_rss[0], 1) if main_rss else 0.0,
+                       "last": round(main_rss[-1], 1) if main_rss else 0.0,
+                       "max": round(max(main_rss, default=0.0), 1)},
+      "rss_worker_mib": {"first": round(peaks[0], 1) if peaks else 0.0,
+                         "last": round(peaks[-1], 1) if peaks else 0.0,
+                         "max": round(max(peaks, default=0.0), 1)},
+      "worker_pids_seen": len(worker_pids),
+      "workers_left_after_close": left,
+      "error": error,
+  }
+
+
+def main(argv=None) -> int:
+  parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  parser.add_argument("--minutes", type=float, default=10.0)
+  parser.add_argument("--seconds", type=float, default=None, help="overrides --minutes")
+  parser.add_argument("--workers", type=int, default=2)
+  parser.add_argument("--batch-size", type=int, default=2)
+  parser.add_argument("--bad-fraction", type=float, default=0.05)
+  parser.add_argument("--seed", type=int, default=0)
+  parser.add_argument("--report-every", type=float, default=30.0, help="seconds")
+  parser.add_argument("--config", default=str(ROOT / "configs" / "demo.yaml"))
+  parser.add_argument("--data", help="an existing demo dataset (default: generate one)")
+  parser.add_argument("--json", help="also write the summary here")
+  parser.add_argument("--keep", action="store_true", help="keep the temporary data")
+  args = parser.parse_args(argv)
+  summary = soak(args)
+  text = json.dumps(summary, indent=1)
+  print(text)
+  if args.json:
+    Path(args.json).write_text(text + "\n")
+  failed = (not summary["balanced"] or summary["error"] is not None
+            or summary["workers_left_after_close"]
+            or summary["worker_pids_seen"] > max(args.workers, 0))
+  return 1 if failed else 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())
