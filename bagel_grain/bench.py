@@ -24,7 +24,8 @@ import numpy as np
 import psutil
 
 from bagel_grain.config import PipelineConfig
-from bagel_grain.pipeline import _family, _source, build_pipeline, group_seed, pipeline_stats
+from bagel_grain.pipeline import (build_pipeline, family_transform, group_seed, group_source,
+                                  pipeline_stats)
 from bagel_grain.sample import Sample
 from bagel_grain.sources.records import ShuffledRecords
 
@@ -144,12 +145,12 @@ def _family_samples(cfg: PipelineConfig, seed: int):
   """Per group: records read ahead, and the family transform alone over them."""
   sources, records, samples = {}, {}, {}
   for g, group in enumerate(cfg.groups):
-    sources[group.name] = _source(cfg, g)
+    sources[group.name] = group_source(cfg, g)
     records[group.name] = _ReadAhead(ShuffledRecords(
         sources[group.name], seed=group_seed(seed, g), num_epochs=cfg.num_epochs))
     # Grain seeds the family's RNG exactly as in the pipeline: same choices, same images.
     samples[group.name] = grain.MapDataset.source(records[group.name]).random_map(
-        _family(cfg, g, _NoTokenizer()), seed=group_seed(seed, g))
+        family_transform(cfg, g, _NoTokenizer()), seed=group_seed(seed, g))
   return sources, records, samples
 
 

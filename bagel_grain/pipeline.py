@@ -47,12 +47,14 @@ def dataset_source(g: GroupConfig, d: DatasetSpec):
   return ParquetRowSource(dataset_files(d.data_dir, d.num_used_data), columns)
 
 
-def _source(cfg: PipelineConfig, group: int) -> ConcatSource:
+def group_source(cfg: PipelineConfig, group: int) -> ConcatSource:
+  """All records of a group, dataset after dataset."""
   g = cfg.groups[group]
   return ConcatSource([dataset_source(g, d) for d in g.datasets])
 
 
-def _family(cfg: PipelineConfig, group: int, tokenizer):
+def family_transform(cfg: PipelineConfig, group: int, tokenizer):
+  """The group's family transform (Record -> Sample | Dropped)."""
   g = cfg.groups[group]
   common = dict(group=group, tokenizer=tokenizer, max_decode_pixels=cfg.max_decode_pixels,
                 jpeg_draft=cfg.jpeg_draft)
@@ -68,13 +70,13 @@ def group_dataset(cfg: PipelineConfig, group: int, tokenizer, *, seed: int,
                   process_index: int = 0, process_count: int = 1) -> grain.MapDataset:
   """One group's prepared samples, element i = the key (group, i) of this process."""
   gseed = group_seed(seed, group)
-  records = ShuffledRecords(_source(cfg, group), seed=gseed, process_index=process_index,
+  records = ShuffledRecords(group_source(cfg, group), seed=gseed, process_index=process_index,
                             process_count=process_count, num_epochs=cfg.num_epochs)
   geometry = Geometry(cfg.vit_patch_size, cfg.vae_image_downsample, cfg.max_num_patch_per_side,
                       cfg.max_latent_size, cfg.interpolate_pos)
   prepare = PrepareSample(seed, geometry, tokenizer.special, cfg.text_cond_dropout_prob,
                           cfg.vit_cond_dropout_prob, cfg.vae_cond_dropout_prob)
-  return records.random_map(_family(cfg, group, tokenizer), seed=gseed).map(prepare)
+  return records.random_map(family_transform(cfg, group, tokenizer), seed=gseed).map(prepare)
 
 
 def capacities(cfg: PipelineConfig) -> Capacities:
