@@ -7,10 +7,12 @@ the element the packer needs has not been handed to a worker yet (workers still
 starting, or all busy), the main process computes it itself instead of waiting:
 the first batch does not wait for worker start-up.
 
-Each worker has a pipe of its own (not a shared result queue): a worker that dies,
+A thread of the main process (the pump) hands jobs to the workers and drains their
+results as soon as they are sent, so a worker never waits on a busy packer. Each
+worker has a pipe of its own (not a shared result queue): a worker that dies,
 even halfway through sending a result, closes the only writer of its pipe, so the
-main process sees end-of-file or the process sentinel within a poll interval and
-raises WorkerError instead of hanging. After that the fetcher stays failed.
+pump sees end-of-file or the process sentinel and the packer gets a WorkerError
+instead of hanging. After that the fetcher stays failed.
 """
 
 from __future__ import annotations
@@ -18,6 +20,8 @@ from __future__ import annotations
 import collections
 import multiprocessing
 import pickle
+import socket
+import threading
 import time
 import traceback
 from multiprocessing.connection import Connection, wait
@@ -27,6 +31,7 @@ from bagel_grain.errors import BagelGrainError
 
 _JOBS_PER_WORKER = 4  # handed out ahead, so a worker never idles between results
 _POLL_S = 1.0
+_SOCKET_BUFFER = 4 << 20
 
 
 class WorkerError(BagelGrainError):
@@ -50,8 +55,19 @@ def _recv(conn: Connection) -> tuple[str, tuple[int, int], Any]:
   return status, tuple(job), pickle.loads(payload, buffers=buffers)  # arrays view the bytes
 
 
+def _widen(conn: Connection) -> None:
+  """Raises the socket's buffers, so a result of a few MiB crosses in a few writes."""
+  try:
+    with socket.fromfd(conn.fileno(), socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+      for option in (socket.SO_SNDBUF, socket.SO_RCVBUF):
+        sock.setsockopt(socket.SOL_SOCKET, option, _SOCKET_BUFFER)
+  except OSError:
+    pass  # the system's limit stands; only slower
+
+
 def _worker_main(conn: Connection, datasets: Sequence[Any]) -> None:
   """A worker: computes (group, index) jobs until told to stop (None) or the pipe closes."""
+  _widen(conn)
   while True:
     try:
       job = conn.recv()
@@ -75,6 +91,7 @@ class _Worker:
     self.process = ctx.Process(target=_worker_main, args=(child, datasets), daemon=True)
     self.process.start()
     child.close()
+    _widen(self.conn)
     self.jobs: collections.deque[tuple[int, int]] = collections.deque()
 
 
@@ -88,27 +105,37 @@ class Fetcher:
     self._done: dict[tuple[int, int], Any] = {}
     self._workers: list[_Worker] = []
     self._failure: str | None = None
+    self._cond = threading.Condition()
+    self._pump: threading.Thread | None = None
     if workers > 0:
       ctx = multiprocessing.get_context("spawn")
       self._workers = [_Worker(ctx, self._datasets) for _ in range(workers)]
+      self._wake_reader, self._wake = ctx.Pipe(duplex=False)
+      self._stopping = False
+      self._pump = threading.Thread(target=self._run_pump, name="bagel-grain-fetch",
+                                    daemon=True)
+      self._pump.start()
 
-  # -- asking ------------------------------------------------------------------
+  # -- the packer's side -------------------------------------------------------
 
   def get(self, group: int, index: int) -> Any:
-    if not self._workers and self._failure is None:
+    if self._pump is None and self._failure is None:
       return self._datasets[group][index]
-    self._want(group, index)
-    for ahead in range(1, self._depths[group] + 1):
-      self._want(group, index + ahead)
+    with self._cond:
+      for ahead in range(self._depths[group] + 1):
+        self._want(group, index + ahead)
+    self._wake.send_bytes(b"")
     return self._take((group, index))
 
   def get_many(self, keys: Sequence[tuple[int, int]]) -> list[Any]:
     """Several elements at once (a restore's buffer), computed in parallel."""
     keys = [(int(g), int(i)) for g, i in keys]
-    if not self._workers and self._failure is None:
+    if self._pump is None and self._failure is None:
       return [self._datasets[g][i] for g, i in keys]
-    for key in keys:
-      self._want(*key)
+    with self._cond:
+      for key in keys:
+        self._want(*key)
+    self._wake.send_bytes(b"")
     return [self._take(key) for key in keys]
 
   def _want(self, group: int, index: int) -> None:
@@ -117,19 +144,39 @@ class Fetcher:
         key in w.jobs for w in self._workers):
       self._pending.setdefault(key, None)
 
-  # -- the pump ----------------------------------------------------------------
-
   def _take(self, key: tuple[int, int]) -> Any:
+    with self._cond:
+      while True:
+        self._check()
+        if key in self._done:
+          return self._done.pop(key)
+        if not any(key in w.jobs for w in self._workers):
+          self._pending.pop(key, None)  # no worker has it: do it here rather than wait
+          break
+        self._cond.wait()
+    return self._datasets[key[0]][key[1]]
+
+  def _check(self) -> None:
+    if self._failure is not None:
+      raise WorkerError(self._failure)
+
+  # -- the pump thread ---------------------------------------------------------
+
+  def _run_pump(self) -> None:
     while True:
-      self._check()
-      if key in self._done:
-        return self._done.pop(key)
-      if not any(key in w.jobs for w in self._workers):  # no worker has it: do it here
-        self._pending.pop(key, None)
+      with self._cond:
+        if self._stopping or self._failure is not None:
+          return
         self._dispatch()
-        return self._datasets[key[0]][key[1]]
-      self._dispatch()
-      self._receive()
+        busy = [w for w in self._workers if w.jobs]
+      waiting = [self._wake_reader] + [w.conn for w in busy] + [w.process.sentinel for w in busy]
+      ready = wait(waiting, _POLL_S)
+      if self._wake_reader in ready:
+        while self._wake_reader.poll():
+          self._wake_reader.recv_bytes()
+      for w in busy:
+        if not self._receive(w, ready):
+          return
 
   def _dispatch(self) -> None:
     for w in self._workers:
@@ -139,55 +186,66 @@ class Fetcher:
         try:
           w.conn.send(key)
         except OSError:  # the worker is gone
+          w.process.join(timeout=1)
           self._fail(f"worker process {w.process.pid} died (exit code "
                      f"{w.process.exitcode}) before it was given work")
+          return
         w.jobs.append(key)
 
-  def _receive(self) -> None:
-    busy = [w for w in self._workers if w.jobs]
-    ready = wait([w.conn for w in busy] + [w.process.sentinel for w in busy], _POLL_S)
-    for w in busy:
-      if w.conn in ready:
-        try:
-          status, key, value = _recv(w.conn)
-        except (EOFError, OSError):
-          w.process.join(timeout=1)
+  def _receive(self, w: _Worker, ready: list) -> bool:
+    """Takes in `w`'s result if it sent one; False once the fetcher has failed."""
+    if w.conn in ready:
+      try:
+        status, key, value = _recv(w.conn)
+      except (EOFError, OSError):
+        w.process.join(timeout=1)
+        with self._cond:
           self._fail(f"worker process {w.process.pid} died (exit code "
                      f"{w.process.exitcode}) while decoding group {w.jobs[0][0]} element "
                      f"{w.jobs[0][1]}")
-          return
+        return False
+      with self._cond:
         w.jobs.remove(key)
         if status == "error":
           self._fail(f"group {key[0]} element {key[1]} failed in a worker:\n{value}")
-          return
+          return False
         self._done[key] = value
-      elif w.process.sentinel in ready:
-        w.process.join(timeout=1)  # so that its exit code is known
+        self._cond.notify_all()
+    elif w.process.sentinel in ready:
+      w.process.join(timeout=1)  # so that its exit code is known
+      with self._cond:
         self._fail(f"worker process {w.process.pid} died (exit code {w.process.exitcode}) "
                    f"with group {w.jobs[0][0]} element {w.jobs[0][1]} in hand")
-        return
+      return False
+    return True
 
   def _fail(self, message: str) -> None:
-    self._failure = message
-    self.close()
-    self._check()
-
-  def _check(self) -> None:
-    if self._failure is not None:
-      raise WorkerError(self._failure)
+    """Records the failure (caller holds the lock); the packer raises it on its next call."""
+    if self._failure is None:
+      self._failure = message
+    self._cond.notify_all()
 
   # -- lifecycle ---------------------------------------------------------------
 
   def reset(self) -> None:
     """Forgets prefetched work (after a restore); jobs already handed out are drained."""
-    self._pending.clear()
-    self._done.clear()
-    while any(w.jobs for w in self._workers) and self._failure is None:
-      self._receive()
-    self._done.clear()
+    with self._cond:
+      self._pending.clear()
+      self._done.clear()
+      while any(w.jobs for w in self._workers) and self._failure is None:
+        self._cond.wait()
+      self._done.clear()
 
   def close(self) -> None:
-    """Stops the workers: asked first, then terminated; no process outlives this."""
+    """Stops the pump and the workers: asked first, then terminated; no process outlives it."""
+    if self._pump is not None:
+      with self._cond:
+        self._stopping = True
+      self._wake.send_bytes(b"")
+      self._pump.join()
+      self._pump = None
+      self._wake.close()
+      self._wake_reader.close()
     workers, self._workers = self._workers, []
     for w in workers:
       try:
