@@ -68,6 +68,7 @@ def _widen(conn: Connection) -> None:
 def _worker_main(conn: Connection, datasets: Sequence[Any]) -> None:
   """A worker: computes (group, index) jobs until told to stop (None) or the pipe closes."""
   _widen(conn)
+  conn.send(("ready", None, 0))  # imports and datasets unpickled: it may be given work
   while True:
     try:
       job = conn.recv()
@@ -93,6 +94,7 @@ class _Worker:
     child.close()
     _widen(self.conn)
     self.jobs: collections.deque[tuple[int, int]] = collections.deque()
+    self.ready = False  # until it says so, its work is done by the main process
 
 
 class Fetcher:
@@ -168,7 +170,7 @@ class Fetcher:
         if self._stopping or self._failure is not None:
           return
         self._dispatch()
-        busy = [w for w in self._workers if w.jobs]
+        busy = [w for w in self._workers if w.jobs or not w.ready]
       waiting = [self._wake_reader] + [w.conn for w in busy] + [w.process.sentinel for w in busy]
       ready = wait(waiting, _POLL_S)
       if self._wake_reader in ready:
@@ -180,7 +182,7 @@ class Fetcher:
 
   def _dispatch(self) -> None:
     for w in self._workers:
-      while self._pending and len(w.jobs) < _JOBS_PER_WORKER:
+      while w.ready and self._pending and len(w.jobs) < _JOBS_PER_WORKER:
         key = next(iter(self._pending))
         del self._pending[key]
         try:
@@ -194,6 +196,16 @@ class Fetcher:
 
   def _receive(self, w: _Worker, ready: list) -> bool:
     """Takes in `w`'s result if it sent one; False once the fetcher has failed."""
+    if w.conn in ready and not w.ready:
+      try:
+        w.ready = w.conn.recv()[0] == "ready"
+        return True
+      except (EOFError, OSError):
+        w.process.join(timeout=1)
+        with self._cond:
+          self._fail(f"worker process {w.process.pid} died while starting (exit code "
+                     f"{w.process.exitcode})")
+        return False
     if w.conn in ready:
       try:
         status, key, value = _recv(w.conn)
@@ -213,9 +225,10 @@ class Fetcher:
         self._cond.notify_all()
     elif w.process.sentinel in ready:
       w.process.join(timeout=1)  # so that its exit code is known
+      doing = f"group {w.jobs[0][0]} element {w.jobs[0][1]}" if w.jobs else "no element"
       with self._cond:
         self._fail(f"worker process {w.process.pid} died (exit code {w.process.exitcode}) "
-                   f"with group {w.jobs[0][0]} element {w.jobs[0][1]} in hand")
+                   f"with {doing} in hand")
       return False
     return True
 
