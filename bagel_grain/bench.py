@@ -26,6 +26,7 @@ import psutil
 from bagel_grain.config import PipelineConfig
 from bagel_grain.pipeline import (build_pipeline, family_transform, group_seed, group_source,
                                   pipeline_stats)
+from bagel_grain.packing.prepare import resized_image_tokens
 from bagel_grain.sample import Sample
 from bagel_grain.sources.records import ShuffledRecords
 
@@ -164,7 +165,10 @@ def measure_floor(cfg: PipelineConfig, keys_by_window: Sequence[Sequence[tuple[s
       records[name].read(index)  # I/O outside the timed part
     tokens, t0 = 0, time.perf_counter()
     for name, index in keys:
-      tokens += _resized_tokens(cfg, samples[name][index])
+      sample = samples[name][index]
+      if isinstance(sample, Sample):
+        tokens += resized_image_tokens(sample, vit_patch_size=cfg.vit_patch_size,
+                                       vae_downsample=cfg.vae_image_downsample)
     rates.append(tokens / (time.perf_counter() - t0))
   parts = [s for src in sources.values() for s in src.sources]
   read = sum(getattr(s, "bytes_read", 0) for s in parts)
@@ -219,17 +223,6 @@ class _ReadAhead:
 
   def __getitem__(self, index: int):
     return self._cache.pop(index)
-
-
-def _resized_tokens(cfg: PipelineConfig, sample) -> int:
-  if not isinstance(sample, Sample):
-    return 0
-  seen = {}
-  items = (item for item in sample.plan if item.type != "text")
-  for item, image in zip(items, sample.images):
-    stride = cfg.vit_patch_size if item.type == "vit_image" else cfg.vae_image_downsample
-    seen[id(image)] = image.shape[0] * image.shape[1] // stride**2
-  return sum(seen.values())
 
 
 def run_bench(cfg: PipelineConfig, tokenizer, *, workers: Sequence[int], seconds: float,

@@ -29,6 +29,19 @@ class PreparedSample:
   notes: tuple[str, ...] = ()
 
 
+def resized_image_tokens(sample: Sample, *, vit_patch_size: int, vae_downsample: int) -> int:
+  """Tokens of each distinct resized image: the decode work a sample cost.
+
+  An edit chain's loss and clean VAE views share one array and count once.
+  """
+  tokens_by_image = {}
+  items = (item for item in sample.plan if item.type != "text")
+  for item, image in zip(items, sample.images):
+    stride = vit_patch_size if item.type == "vit_image" else vae_downsample
+    tokens_by_image[id(image)] = image.shape[0] * image.shape[1] // stride**2
+  return sum(tokens_by_image.values())
+
+
 def sample_rng(seed: int, key: SampleKey) -> np.random.Generator:
   """The per-sample generator for packing-time choices, keyed by (seed, sample key)."""
   return np.random.default_rng([seed, _CHOICES_STREAM, key.group, key.index])
@@ -51,15 +64,6 @@ class PrepareSample(grain.transforms.Map):
         vit_p=self.vit_cond_dropout_prob, vae_p=self.vae_cond_dropout_prob)
     layout = layout_sample(element.plan, element.text_ids, element.images, cfg_drops=drops,
                            timesteps=timesteps, geometry=self.geometry, special=self.special)
-    return PreparedSample(element.key, element.packed_size, layout,
-                          self._image_tokens(element), element.notes)
-
-  def _image_tokens(self, sample: Sample) -> int:
-    """Tokens of each distinct resized image (an edit's loss and clean VAE views share one)."""
-    tokens_by_image = {}
-    items = (item for item in sample.plan if item.type != "text")
-    for item, image in zip(items, sample.images):
-      g = self.geometry
-      stride = g.vit_patch_size if item.type == "vit_image" else g.vae_downsample
-      tokens_by_image[id(image)] = (image.shape[0] * image.shape[1]) // stride**2
-    return sum(tokens_by_image.values())
+    image_tokens = resized_image_tokens(element, vit_patch_size=self.geometry.vit_patch_size,
+                                        vae_downsample=self.geometry.vae_downsample)
+    return PreparedSample(element.key, element.packed_size, layout, image_tokens, element.notes)
