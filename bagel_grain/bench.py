@@ -28,6 +28,7 @@ from bagel_grain.pipeline import (build_pipeline, family_transform, group_seed, 
                                   pipeline_stats)
 from bagel_grain.packing.prepare import resized_image_tokens
 from bagel_grain.sample import Sample
+from bagel_grain.sources.parquet import ParquetRowSource
 from bagel_grain.sources.records import ShuffledRecords
 
 
@@ -170,9 +171,10 @@ def measure_floor(cfg: PipelineConfig, keys_by_window: Sequence[Sequence[tuple[s
         tokens += resized_image_tokens(sample, vit_patch_size=cfg.vit_patch_size,
                                        vae_downsample=cfg.vae_image_downsample)
     rates.append(tokens / (time.perf_counter() - t0))
-  parts = [s for src in sources.values() for s in src.sources]
-  read = sum(getattr(s, "bytes_read", 0) for s in parts)
-  served = sum(getattr(s, "bytes_served", 0) for s in parts)
+  parquet = [s for src in sources.values() for s in src.sources
+             if isinstance(s, ParquetRowSource)]
+  read = sum(s.bytes_read for s in parquet)
+  served = sum(s.bytes_served for s in parquet)
   return {"image_tokens_per_s": statistics.median(rates), "windows": rates,
           "parquet_bytes_read_per_byte_used": read / served if served else None}
 
