@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import json
+import logging
 import os
+import re
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -23,6 +26,39 @@ START_OF_IMAGE_TOKEN = "<|vision_start|>"
 END_OF_IMAGE_TOKEN = "<|vision_end|>"
 BAGEL_TOKENS = (BOS_TOKEN, EOS_TOKEN, START_OF_IMAGE_TOKEN, END_OF_IMAGE_TOKEN)
 
+# `organisation/name`, the shape of a Hugging Face Hub id.
+_HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
+
+
+def missing_tokenizer_message(value: str, resolved: str) -> str:
+  """Why the tokenizer path `value` (`resolved` once made absolute) cannot be loaded."""
+  message = (f"tokenizer path {resolved} does not exist; point it at a local tokenizer "
+             "folder or tokenizer.json file")
+  if _HUB_ID.fullmatch(value):
+    message += (f". {value!r} looks like a Hugging Face Hub id: bagel_grain reads "
+                "tokenizers offline, so download it first (`hf download "
+                f"{value} --local-dir <folder>`) and give that folder")
+  return message
+
+
+class _DropTorchAdvice(logging.Filter):
+  """Drops transformers' import-time "PyTorch was not found" advice: we never use torch."""
+
+  def filter(self, record: logging.LogRecord) -> bool:
+    return not record.getMessage().startswith("PyTorch was not found")
+
+
+@contextlib.contextmanager
+def _quiet_transformers_import():
+  """Filters the `transformers` logger only while we import it; nothing else changes."""
+  logger = logging.getLogger("transformers")
+  quiet = _DropTorchAdvice()
+  logger.addFilter(quiet)
+  try:
+    yield
+  finally:
+    logger.removeFilter(quiet)
+
 
 def _load_backend(path: Path) -> tuple[tokenizers.Tokenizer | None, Any]:
   """Returns (Rust tokenizer, Hugging Face wrapper or None) for a file or a directory.
@@ -32,16 +68,15 @@ def _load_backend(path: Path) -> tuple[tokenizers.Tokenizer | None, Any]:
   wraps is then used directly (one call, no Python-side per-token work).
   """
   if not path.exists():
-    raise ConfigError(f"tokenizer path {path} does not exist; point it at a local "
-                      "tokenizer.json file or Hugging Face tokenizer directory",
-                      key="tokenizer_path")
+    raise ConfigError(missing_tokenizer_message(str(path), str(path)), key="tokenizer_path")
   if path.is_file():
     try:
       return tokenizers.Tokenizer.from_file(str(path)), None
     except Exception as e:  # the Rust loader raises a bare Exception
       raise ConfigError(f"{path} is not a tokenizers JSON file: {e}",
                         key="tokenizer_path") from e
-  import transformers  # slow import; only needed for directories
+  with _quiet_transformers_import():
+    import transformers  # slow import; only needed for directories
 
   try:
     hf = transformers.AutoTokenizer.from_pretrained(str(path), local_files_only=True)
@@ -59,7 +94,14 @@ class Tokenizer:
   JSON (or, for a tokenizer without a Rust backend, its path) to worker processes.
   """
 
-  def __init__(self, path: str | os.PathLike[str]):
+  def __init__(self, path: str | os.PathLike[str] | None):
+    if path is None:
+      raise ConfigError(
+          "no tokenizer path: set `tokenizer_path` (a bagel_grain config), or "
+          "`tokenizer.pretrained_model_name_or_path` or `model.pretrained_model_name_or_path` "
+          "(a NeMo recipe), to a local tokenizer folder or tokenizer.json file, or pass "
+          "the path to `load_tokenizer`",
+          key="tokenizer_path")
     self.path = Path(path)
     backend, hf = _load_backend(self.path)
     self._setup(backend, hf)
@@ -162,6 +204,6 @@ class Tokenizer:
             f"special={self.special})")
 
 
-def load_tokenizer(path: str | os.PathLike[str]) -> Tokenizer:
+def load_tokenizer(path: str | os.PathLike[str] | None) -> Tokenizer:
   """Loads a `tokenizer.json` file or a Hugging Face tokenizer directory (no hub access)."""
   return Tokenizer(path)

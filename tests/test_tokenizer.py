@@ -1,6 +1,11 @@
 """The tokenizer wrapper: BAGEL's special tokens, upstream's encode, pickling, fingerprint."""
 
+import importlib.util
 import pickle
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -158,3 +163,42 @@ def test_tokenizer_without_rust_backend_falls_back_to_transformers(tmp_path):
     tok.encode(t).tolist() for t in SENTENCES]
   clone = pickle.loads(pickle.dumps(tok))
   assert clone.fingerprint() == tok.fingerprint() and clone.special == tok.special
+
+
+QUIET_CHILD = textwrap.dedent("""
+    import logging, os, sys
+    import yaml
+    from bagel_grain.config import config_from_dict
+    from bagel_grain.pipeline import build_pipeline
+    from bagel_grain.tokenizer import load_tokenizer
+
+    demo_dir, config = sys.argv[1:]
+    raw = yaml.safe_load(open(config))
+    raw["dataset_info"] = os.path.join(demo_dir, "dataset_info.yaml")
+    raw["tokenizer_path"] = os.path.join(demo_dir, "tokenizer")
+    cfg = config_from_dict(raw, file=config, base_dir=os.path.dirname(config))
+    tokenizer = load_tokenizer(cfg.tokenizer_path)  # the folder: goes through transformers
+    assert "transformers" in sys.modules
+    it = iter(build_pipeline(cfg, tokenizer, batch_size=1, workers=2))
+    try:
+      for _ in range(3):
+        next(it)
+    finally:
+      it.close()
+    print("filters left on the transformers logger:", len(logging.getLogger("transformers").filters))
+""")
+TORCH_ADVICE = "PyTorch was not found"
+
+
+def test_loading_a_tokenizer_folder_prints_no_torch_advice_in_any_process(demo_dir):
+  config = str(Path(__file__).resolve().parents[1] / "configs" / "demo.yaml")
+  child = subprocess.run([sys.executable, "-c", QUIET_CHILD, str(demo_dir), config],
+                         capture_output=True, text=True, timeout=300, check=False)
+  assert child.returncode == 0, child.stderr[-3000:]
+  assert TORCH_ADVICE not in child.stderr + child.stdout
+  assert "filters left on the transformers logger: 0" in child.stdout
+  # Without torch a bare import prints the advice: the check above is not vacuous.
+  if importlib.util.find_spec("torch") is None:
+    bare = subprocess.run([sys.executable, "-c", "import transformers"], capture_output=True,
+                          text=True, timeout=300, check=False)
+    assert TORCH_ADVICE in bare.stderr
