@@ -137,7 +137,8 @@ def main(argv=None) -> int:
   p = sub.add_parser("demo", help="pack the demo data and report fill, shares and drops")
   p.add_argument("--config", default="configs/demo.yaml")
   p.add_argument("--batches", type=int, default=30)
-  p.add_argument("--batch-size", type=int, default=2)
+  p.add_argument("--batch-size", type=int, default=None,
+                 help="rows per batch (default: the config's batch_size)")
   p.add_argument("--workers", type=int, default=None)
   p.set_defaults(run=_demo)
   p = sub.add_parser("inspect", help="draw one packed row (bands, mask, images) as a PNG")

@@ -2,8 +2,9 @@
 
 An upstream user's YAML loads unchanged: `grouped_datasets` and `dataset_info`
 (inline or as paths to their own YAML files), plus NeMo's top-level packing fields
-(optionally nested under `dataset:`). Paths resolve relative to the file naming them.
-Every error names the file, the group and the key.
+(optionally nested under `dataset:`). A NeMo recipe file loads too: see `recipe`.
+Paths resolve relative to the file naming them. Every error names the file, the group
+and the key.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from typing import Any, Mapping
 
 import yaml
 
-from bagel_grain import fs
+from bagel_grain import fs, recipe
 from bagel_grain.errors import ConfigError
 from bagel_grain.images import DEFAULT_MAX_PIXELS, ImageTransform
 
@@ -103,6 +104,12 @@ class PipelineConfig:
   split_capacity: int | None = None
   num_workers: int = 0
   num_epochs: int | None = None
+  # Defaults a NeMo recipe sets (`bagel_grain.recipe`); none of them changes the rows.
+  batch_size: int = 1  # rows per batch of one process: `build_pipeline`'s default
+  use_flex: bool = False  # the `use_flex` to pass to `packing.to_bagel_dict`
+  # NeMo's global seed: when set, it seeds the group draws, dropout and timesteps,
+  # and `data_seed` only orders the records, as in NeMo (see `pipeline.stream_seeds`).
+  seed: int | None = None
   # Bad-input limits.
   max_decode_pixels: int = 89_478_485  # Pillow's own default limit
   # Opt-in fast path, off by default: changes pixels slightly (README: fast paths).
@@ -323,27 +330,32 @@ def _check_geometry(cfg: PipelineConfig, file: str) -> None:
                       key="weight")
 
 
-def _top_level(raw: Mapping, file: str, base_dir: str) -> dict[str, Any]:
+def _top_level(raw: Mapping, file: str, base_dir: str,
+               written: Mapping[str, str]) -> dict[str, Any]:
+  """The top-level fields; `written` maps a field to the key the file wrote it under."""
   kwargs: dict[str, Any] = {}
   types = {f.name: f.type for f in dataclasses.fields(PipelineConfig)}
   for key, value in raw.items():
     if key not in _PACKING_FIELDS:
       raise ConfigError(
-          "unknown top-level key; expected `grouped_datasets`, `dataset_info` or one of "
-          f"{sorted(_PACKING_FIELDS)}", file=file, key=str(key))
-    kind = types[key]
+          "unknown top-level key; expected `grouped_datasets`, `dataset_info`, a NeMo "
+          f"recipe section or one of {sorted(_PACKING_FIELDS)}", file=file, key=str(key))
+    kind, name = types[key], written.get(key, key)
     if value is None and "None" in kind:
       kwargs[key] = None
     elif key == "tokenizer_path":
       kwargs[key] = fs.resolve(str(value), base_dir)
+      if not fs.exists(kwargs[key]):
+        from bagel_grain.tokenizer import missing_tokenizer_message  # pylint: disable=import-outside-toplevel
+        raise ConfigError(missing_tokenizer_message(str(value), kwargs[key]), file=file, key=name)
     elif kind.startswith("bool"):
       if not isinstance(value, bool):
-        raise ConfigError(f"`{key}` must be true or false", file=file, key=key)
+        raise ConfigError(f"`{name}` must be true or false", file=file, key=name)
       kwargs[key] = value
     elif kind.startswith("float"):
-      kwargs[key] = _number(value, float, file=file, group=None, key=key)
+      kwargs[key] = _number(value, float, file=file, group=None, key=name)
     else:
-      kwargs[key] = _number(value, int, file=file, group=None, key=key)
+      kwargs[key] = _number(value, int, file=file, group=None, key=name)
   return kwargs
 
 
@@ -351,18 +363,8 @@ def config_from_dict(raw: Mapping, *, file: str = "<dict>", base_dir: str = ".")
   """Builds and validates a config from a parsed YAML mapping."""
   if not isinstance(raw, Mapping):
     raise ConfigError("the config must be a mapping", file=file)
-  raw = dict(raw)
-  nested = raw.pop("dataset", None)  # NeMo nests the packing fields under `dataset:`
-  if nested is not None:
-    if not isinstance(nested, Mapping):
-      raise ConfigError("`dataset` must be a mapping", file=file, key="dataset")
-    for key, value in nested.items():
-      if key == "_target_":
-        continue
-      if key in raw:
-        raise ConfigError("key given both at the top level and under `dataset`",
-                          file=file, key=key)
-      raw[key] = value
+  raw, written = recipe.flatten(raw, file=file,
+                                fields=_PACKING_FIELDS | {"grouped_datasets", "dataset_info"})
   if "grouped_datasets" not in raw and raw and all(k in FAMILIES for k in raw):
     raise ConfigError("this file holds only `grouped_datasets`; write a config with "
                       "`grouped_datasets: <this file>` and `dataset_info`", file=file)
@@ -376,12 +378,9 @@ def config_from_dict(raw: Mapping, *, file: str = "<dict>", base_dir: str = ".")
     raise ConfigError("`grouped_datasets` is empty", file=groups_file, key="grouped_datasets")
   groups = tuple(_group(name, g, info, info_dir, info_file, groups_file)
                  for name, g in groups_raw.items())
-  kwargs = _top_level(raw, file, base_dir)
+  kwargs = _top_level(raw, file, base_dir, written)
   cfg = PipelineConfig(groups=groups, **kwargs)
   _check_geometry(cfg, groups_file)
-  if cfg.tokenizer_path is not None and not fs.exists(cfg.tokenizer_path):
-    raise ConfigError(f"path does not exist: {cfg.tokenizer_path}", file=file,
-                      key="tokenizer_path")
   return cfg
 
 

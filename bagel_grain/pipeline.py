@@ -31,6 +31,18 @@ from bagel_grain.sources.parquet import ParquetRowSource, dataset_files
 from bagel_grain.sources.records import ConcatSource, ShuffledRecords
 
 
+def stream_seeds(cfg: PipelineConfig, seed: int | None = None) -> tuple[int, int]:
+  """(record-order seed, sampling seed): what orders the records, and what draws the
+  groups, the per-sample choices, dropout and timesteps.
+
+  NeMo orders data with `data_seed` and samples with the trainer's global `seed`; a
+  config without `seed` uses `data_seed` for both. An explicit `seed` sets both.
+  """
+  if seed is not None:
+    return seed, seed
+  return cfg.data_seed, cfg.data_seed if cfg.seed is None else cfg.seed
+
+
 def group_seed(seed: int, group: int) -> int:
   """A group's own seed for its record order and its family's RNG."""
   return int(np.random.SeedSequence([seed, group]).generate_state(1)[0])
@@ -67,11 +79,17 @@ def family_transform(cfg: PipelineConfig, group: int, tokenizer):
 
 
 def group_dataset(cfg: PipelineConfig, group: int, tokenizer, *, seed: int,
-                  process_index: int = 0, process_count: int = 1) -> grain.MapDataset:
-  """One group's prepared samples, element i = the key (group, i) of this process."""
+                  order_seed: int | None = None, process_index: int = 0,
+                  process_count: int = 1) -> grain.MapDataset:
+  """One group's prepared samples, element i = the key (group, i) of this process.
+
+  `order_seed` (default `seed`) orders the records; `seed` makes every random choice.
+  """
   gseed = group_seed(seed, group)
-  records = ShuffledRecords(group_source(cfg, group), seed=gseed, process_index=process_index,
-                            process_count=process_count, num_epochs=cfg.num_epochs)
+  records = ShuffledRecords(group_source(cfg, group),
+                            seed=group_seed(seed if order_seed is None else order_seed, group),
+                            process_index=process_index, process_count=process_count,
+                            num_epochs=cfg.num_epochs)
   geometry = Geometry(cfg.vit_patch_size, cfg.vae_image_downsample, cfg.max_num_patch_per_side,
                       cfg.max_latent_size, cfg.interpolate_pos)
   prepare = PrepareSample(seed, geometry, tokenizer.special, cfg.text_cond_dropout_prob,
@@ -96,7 +114,9 @@ def capacities(cfg: PipelineConfig) -> Capacities:
 def fingerprint(cfg: PipelineConfig, tokenizer, *, seed: int, process_index: int,
                 process_count: int) -> dict[str, Any]:
   """What shapes the stream; a restore under a different one is refused, naming the field."""
-  shaping = dataclasses.asdict(dataclasses.replace(cfg, num_workers=0))
+  shaping = dataclasses.asdict(cfg)
+  for name in ("num_workers", "batch_size", "use_flex"):  # they never change a row
+    del shaping[name]
   config_hash = hashlib.sha256(json.dumps(shaping, sort_keys=True, default=str).encode())
   return {"config": config_hash.hexdigest()[:16], "tokenizer": tokenizer.fingerprint(),
           "seed": int(seed), "process_index": int(process_index),
@@ -107,11 +127,12 @@ def build_packer(cfg: PipelineConfig, tokenizer, *, seed: int | None = None,
                  process_index: int = 0, process_count: int = 1,
                  workers: int | None = None, batch_size: int | None = None) -> MixPackDataset:
   """The stream of packed rows (`batch_size` None) or of batches of rows."""
-  seed = cfg.data_seed if seed is None else seed
+  order_seed, seed = stream_seeds(cfg, seed)
   if cfg.allow_truncated_images:
     images.enable_truncated_images()  # process-wide Pillow switch, applied at build time
-  groups = [group_dataset(cfg, g, tokenizer, seed=seed, process_index=process_index,
-                          process_count=process_count) for g in range(len(cfg.groups))]
+  groups = [group_dataset(cfg, g, tokenizer, seed=seed, order_seed=order_seed,
+                          process_index=process_index, process_count=process_count)
+            for g in range(len(cfg.groups))]
   spec = PackingSpec(
       group_names=tuple(g.name for g in cfg.groups),
       weights=tuple(g.weight for g in cfg.groups),
@@ -142,16 +163,19 @@ def _records_per_epoch(ds: grain.MapDataset) -> int:
 
 
 def build_pipeline(cfg: PipelineConfig, tokenizer, *, seed: int | None = None,
-                   process_index: int = 0, process_count: int = 1, batch_size: int = 1,
+                   process_index: int = 0, process_count: int = 1,
+                   batch_size: int | None = None,
                    workers: int | None = None) -> grain.IterDataset:
   """The Grain dataset of batches: dicts of `[batch_size, ...]` numpy arrays + `sample_keys`.
 
   The stream is a pure function of (config, tokenizer, seed, process_index,
   process_count); `workers` (default: the config's `num_workers`) only sets how
-  many processes decode ahead.
+  many processes decode ahead. `batch_size` defaults to the config's (NeMo's
+  `step_scheduler.local_batch_size`), rows per batch of this process.
   """
   return build_packer(cfg, tokenizer, seed=seed, process_index=process_index,
-                      process_count=process_count, workers=workers, batch_size=batch_size)
+                      process_count=process_count, workers=workers,
+                      batch_size=cfg.batch_size if batch_size is None else batch_size)
 
 
 def packer_iterator(iterator: grain.DatasetIterator) -> MixPackIterator:

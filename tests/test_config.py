@@ -243,7 +243,7 @@ def test_nemo_key_given_twice_is_an_error(root):
   raw = minimal()
   raw["max_num_tokens"] = 20480
   raw["dataset"] = {"max_num_tokens": 30000}
-  with pytest.raises(ConfigError, match=_where(None, "max_num_tokens")):
+  with pytest.raises(ConfigError, match="given twice.*" + _where(None, "dataset.max_num_tokens")):
     config_from_dict(raw, file="main.yaml", base_dir=str(root))
 
 
