@@ -67,7 +67,7 @@ def flatten(raw: Mapping, *, file: str, fields: set[str]) -> tuple[dict[str, Any
     _put(flat, written, field, values[key], f"{section}.{key}", file)
     read[field] = f"{section}.{key}"
   if sections:
-    log.info("%s: ignoring trainer sections %s (read from them: %s)", file, ", ".join(sections),
+    log.warning("%s: ignoring trainer sections %s (read from them: %s)", file, ", ".join(sections),
              ", ".join(read.values()) or "nothing")
   return flat, written
 
