@@ -32,7 +32,8 @@ from bagel_grain import fs
 from bagel_grain.config import DatasetSpec, GroupConfig, PipelineConfig, load_config
 from bagel_grain.errors import DatasetError
 from bagel_grain.families import video
-from bagel_grain.families.base import Drop, is_text
+from bagel_grain.drops import Drop, DropReason
+from bagel_grain.families.base import is_text
 from bagel_grain.families.vlm import inside
 from bagel_grain.pipeline import dataset_source
 from bagel_grain.sources import framing
@@ -97,7 +98,7 @@ def _embed_video(relative: Any, data_dir: str, files: dict, errors: dict) -> Non
     try:
       frames = video.frame_folder(path)
     except Drop as e:
-      if e.reason != "video_unreadable":  # no frames: the family finds that out itself
+      if e.reason != DropReason.VIDEO_UNREADABLE:  # no frames: the family finds that out itself
         errors[relative] = e.reason  # a missing folder, a frame linking out
       return
     for frame in frames:
@@ -105,14 +106,14 @@ def _embed_video(relative: Any, data_dir: str, files: dict, errors: dict) -> Non
       try:
         files[name] = fs.read_bytes(frame)
       except OSError:
-        errors[name] = "missing_file"  # still a frame: it counts for the sampling
+        errors[name] = DropReason.MISSING_FILE  # still a frame: it counts for the sampling
     return
   try:
     files[relative] = fs.read_bytes(path)
   except FileNotFoundError:
     pass
   except OSError:
-    errors[relative] = "video_unreadable"
+    errors[relative] = DropReason.VIDEO_UNREADABLE
 
 
 def embed_line_files(line: bytes, data_dir: str) -> LineWithFiles:

@@ -13,21 +13,18 @@ from typing import Sequence
 import numpy as np
 from PIL import Image, ImageFile
 
-from bagel_grain.errors import BagelGrainError
+from bagel_grain.drops import IMAGE_REASONS, Drop, DropReason
 
 DEFAULT_MAX_PIXELS = 14 * 14 * 9 * 1024
 
-_REASONS = ("bad_image", "too_many_pixels", "truncated_image")
 
+class ImageError(Drop):
+  """An image that cannot become pixels: a Drop with one of the image reasons."""
 
-class ImageError(BagelGrainError):
-  """An image that cannot become pixels; `reason` is the stats key it is counted under."""
-
-  def __init__(self, reason: str, message: str = ""):
-    if reason not in _REASONS:
+  def __init__(self, reason: DropReason, message: str = ""):
+    if reason not in IMAGE_REASONS:
       raise ValueError(f"unknown ImageError reason {reason!r}")
-    super().__init__(f"{reason}: {message}" if message else reason)
-    self.reason = reason
+    super().__init__(reason, message)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -127,15 +124,15 @@ def _image_errors():
   except ImageError:
     raise
   except (Image.DecompressionBombError, Image.DecompressionBombWarning) as e:
-    raise ImageError("too_many_pixels", str(e)) from e
+    raise ImageError(DropReason.TOO_MANY_PIXELS, str(e)) from e
   except OSError as e:
     msg = str(e)
     if "truncated" in msg.lower():  # Pillow: "image file is truncated", "Truncated File Read"
-      raise ImageError("truncated_image", msg) from e
-    raise ImageError("bad_image", msg) from e
+      raise ImageError(DropReason.TRUNCATED_IMAGE, msg) from e
+    raise ImageError(DropReason.BAD_IMAGE, msg) from e
   except (ValueError, SyntaxError, struct.error, EOFError, IndexError, TypeError,
           MemoryError, ZeroDivisionError, KeyError) as e:
-    raise ImageError("bad_image", f"{type(e).__name__}: {e}") from e
+    raise ImageError(DropReason.BAD_IMAGE, f"{type(e).__name__}: {e}") from e
 
 
 def _open_checked(data: bytes, max_pixels_decode: int) -> Image.Image:
@@ -143,7 +140,7 @@ def _open_checked(data: bytes, max_pixels_decode: int) -> Image.Image:
   img = Image.open(io.BytesIO(data))
   w, h = img.size
   if w * h > max_pixels_decode:
-    raise ImageError("too_many_pixels", f"{w}x{h} > {max_pixels_decode} pixels")
+    raise ImageError(DropReason.TOO_MANY_PIXELS, f"{w}x{h} > {max_pixels_decode} pixels")
   return img
 
 

@@ -1,4 +1,4 @@
-"""The sample contract: what a family emits and the packer consumes (DESIGN.md section 3)."""
+"""The sample contract: what a family emits and the packer consumes (or a `drops.Dropped`)."""
 
 from __future__ import annotations
 
@@ -55,12 +55,3 @@ class Sample:
   def packed_size(self) -> int:
     """Upstream's size estimate used for every budget decision."""
     return self.num_tokens + 2 * len(self.plan)
-
-
-@dataclasses.dataclass(frozen=True)
-class Dropped:
-  """A record that could not become a sample; the packer counts it and draws again."""
-
-  reason: str
-  key: SampleKey
-  detail: str = ""

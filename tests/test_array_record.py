@@ -19,7 +19,8 @@ from bagel_grain.families.t2i import T2ITransform
 from bagel_grain.families.vlm import VLMTransform
 from bagel_grain.images import ImageTransform
 from bagel_grain.pipeline import build_pipeline, dataset_source, pipeline_stats
-from bagel_grain.sample import Dropped, Sample
+from bagel_grain.drops import Dropped
+from bagel_grain.sample import Sample
 from bagel_grain.sources import framing
 from bagel_grain.sources.array_record import ArrayRecordSource
 from bagel_grain.sources.framing import FramingError, LineWithFiles
@@ -120,7 +121,12 @@ GOOD = framing.encode({"image": b"abc" * 10, "captions": "{}"})
   framing.encode({"a": "x"}).replace(b'"blobs":[]', b'"blobs":[[["a"],0]]'),
   framing.encode({"a": 1}).replace(b'"parquet_row"', b'"pickle"'),
   framing.encode(LineWithFiles(b"x")).replace(b'"files":{}', b'"files":[]'),
-], ids=range(14))
+  # a file's verdict that is no drop reason, or not a string at all
+  framing.encode(LineWithFiles(b"x", {}, {"a.png": "missing_file"})).replace(
+      b'"missing_file"', b'"disk_on_fire"'),
+  framing.encode(LineWithFiles(b"x", {}, {"a.png": "missing_file"})).replace(
+      b'"missing_file"', b'["missing_file"]'),
+], ids=range(16))
 def test_framing_rejects_damaged_records(data):
   with pytest.raises(FramingError):
     framing.decode(data)

@@ -17,7 +17,8 @@ from bagel_grain.families.video import sample_frame_indices
 from bagel_grain.families.vlm import VLMTransform
 from bagel_grain.images import ImageTransform, resize_size
 from bagel_grain.pipeline import group_dataset, group_seed
-from bagel_grain.sample import Dropped, Sample
+from bagel_grain.drops import Dropped, DropReason
+from bagel_grain.sample import Sample
 from bagel_grain.sources.jsonl import JsonlLineSource
 from bagel_grain.sources.parquet import ParquetRowSource, dataset_files
 from bagel_grain.sources.records import ConcatSource, Record, ShuffledRecords
@@ -256,7 +257,8 @@ def test_t2i_bad_image_and_unreadable_record(t2i):
                         rng).reason == "bad_image"
   assert t2i.random_map(row({"image": "text", "captions": '{"a": "x"}'}),
                         rng).reason == "wrong_type"
-  out = t2i.random_map(row(None, error="unreadable_file:gone"), rng)
+  unreadable = Dropped(DropReason.UNREADABLE_FILE, "gone")
+  out = t2i.random_map(row(None, error=unreadable), rng)
   assert (out.reason, out.detail, out.key.record) == ("unreadable_file", "gone", "mem.parquet#0")
 
 

@@ -23,7 +23,8 @@ from bagel_grain.families.t2i import PLAN as T2I_PLAN
 from bagel_grain.families.t2i import T2ITransform
 from bagel_grain.families.vlm import VLMTransform
 from bagel_grain.images import ImageError, ImageTransform, decode_image
-from bagel_grain.sample import Dropped, Sample
+from bagel_grain.drops import Dropped
+from bagel_grain.sample import Sample
 from bagel_grain.sources.records import Record
 
 # BAGEL_FUZZ_EXAMPLES=5000 for a longer local hunt; CI keeps the suite fast.

@@ -13,7 +13,8 @@ from bagel_grain.packing.layout import Geometry, SpecialTokens, layout_sample
 from bagel_grain.packing.mixpack import MixPackIterator, PackingSpec
 from bagel_grain.packing.prepare import PreparedSample
 from bagel_grain.packing.row import Capacities
-from bagel_grain.sample import Dropped, PlanItem, SampleKey
+from bagel_grain.drops import Dropped
+from bagel_grain.sample import PlanItem, SampleKey
 
 GEOMETRY = Geometry(vit_patch_size=14, vae_downsample=16, max_num_patch_per_side=70,
                     max_latent_size=32, interpolate_pos=False)
@@ -24,7 +25,7 @@ def make_sample(group, index, text_len, *, vae=False, vit=False, drop_reason=Non
   """A prepared sample of `text_len` text tokens, optionally with a 32x32 VAE / 28x28 ViT image."""
   key = SampleKey(group, index, 0, f"g{group}:{index}")
   if drop_reason:
-    return Dropped(drop_reason, key)
+    return Dropped(drop_reason, key=key)
   plan, texts, images = [PlanItem("text", loss=1)], [np.arange(text_len, dtype=np.int32) + 10], []
   if vit:
     plan.insert(0, PlanItem("vit_image"))

@@ -161,7 +161,7 @@ def test_file_damaged_mid_run_becomes_an_error_record(files, damage):
   bad = [r for r in results if r.record_id.startswith(b + "#")]
   good = [r for r in results if r.record_id.startswith(a + "#")]
   assert len(bad) == 6 and len(good) == 10
-  assert all(r.fields is None and r.error.startswith("unreadable_file") for r in bad)
+  assert all(r.fields is None and r.error.reason == "unreadable_file" for r in bad)
   assert all(r.error is None for r in good)
 
 

@@ -8,22 +8,10 @@ from typing import Any, Sequence
 import grain
 import numpy as np
 
-from bagel_grain.images import ImageError, ImageTransform, decode_resized
-from bagel_grain.sample import Dropped, Sample, SampleKey
+from bagel_grain.drops import Drop, Dropped, DropReason, require
+from bagel_grain.images import ImageTransform, decode_resized
+from bagel_grain.sample import Sample, SampleKey
 from bagel_grain.sources.records import Record
-
-
-class Drop(Exception):
-  """Raised inside a parser: the record becomes a Dropped marker with this reason."""
-
-  def __init__(self, reason: str, detail: str = ""):
-    super().__init__(reason, detail)
-    self.reason, self.detail = reason, detail
-
-
-def require(condition: bool, reason: str, detail: str = "") -> None:
-  if not condition:
-    raise Drop(reason, detail)
 
 
 def is_text(value: Any) -> bool:
@@ -62,18 +50,15 @@ class FamilyTransform(grain.transforms.RandomMap, abc.ABC):
 
   def random_map(self, record: Record, rng: np.random.Generator) -> Sample | Dropped:
     if record.error is not None:
-      reason, _, detail = record.error.partition(":")
-      return Dropped(reason, self.key(record), detail)
+      return record.error.at(self.key(record))
     try:
       return self.parse(record, rng)
-    except Drop as e:
-      return Dropped(e.reason, self.key(record), e.detail)
-    except ImageError as e:
-      return Dropped(e.reason, self.key(record), str(e)[:200])
+    except Drop as e:  # an ImageError too
+      return e.dropped.at(self.key(record))
 
   def load(self, data: Any, targets: Sequence[tuple[ImageTransform, int]]) -> list[np.ndarray]:
     """Encoded image bytes, decoded once and resized to each (transform, img_num)."""
-    require(isinstance(data, (bytes, bytearray, memoryview)), "wrong_type",
+    require(isinstance(data, (bytes, bytearray, memoryview)), DropReason.WRONG_TYPE,
             f"image is {type(data).__name__}, not bytes")
     return decode_resized(bytes(data), targets, max_pixels_decode=self.max_decode_pixels,
                           jpeg_draft=self.jpeg_draft)

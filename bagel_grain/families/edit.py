@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from bagel_grain.families.base import FamilyTransform, is_text, require
+from bagel_grain.drops import DropReason, require
+from bagel_grain.families.base import FamilyTransform, is_text
 from bagel_grain.images import ImageTransform
 from bagel_grain.sample import PlanItem, Sample
 from bagel_grain.sources.records import Record
@@ -18,15 +19,16 @@ INSTRUCTION = PlanItem("text", enable_cfg=1, loss=0)
 
 def check_row(images, instructions) -> None:
   """Raises Drop unless the lists describe a chain of >= 2 images with a step each."""
-  require(isinstance(images, list), "bad_edit_lists", "image_list is not a list")
-  require(len(images) >= 2, "bad_edit_lists", f"{len(images)} images, need >= 2")
-  require(isinstance(instructions, list), "bad_edit_lists", "instruction_list is not a list")
-  require(len(instructions) == len(images) - 1, "bad_edit_lists",
+  bad = DropReason.BAD_EDIT_LISTS
+  require(isinstance(images, list), bad, "image_list is not a list")
+  require(len(images) >= 2, bad, f"{len(images)} images, need >= 2")
+  require(isinstance(instructions, list), bad, "instruction_list is not a list")
+  require(len(instructions) == len(images) - 1, bad,
           f"{len(instructions)} instruction steps for {len(images)} images")
   for step in instructions:
-    require(isinstance(step, list), "bad_edit_lists", "a step is not a list of paraphrases")
-    require(len(step) > 0, "bad_edit_lists", "a step has no paraphrase")
-    require(all(is_text(p) for p in step), "bad_edit_lists", "a paraphrase is not UTF-8 text")
+    require(isinstance(step, list), bad, "a step is not a list of paraphrases")
+    require(len(step) > 0, bad, "a step has no paraphrase")
+    require(all(is_text(p) for p in step), bad, "a paraphrase is not UTF-8 text")
 
 
 class EditTransform(FamilyTransform):
@@ -48,7 +50,7 @@ class EditTransform(FamilyTransform):
 
   def parse(self, record: Record, rng: np.random.Generator) -> Sample:
     fields = record.fields
-    require(isinstance(fields, dict), "wrong_type", "row is not a mapping")
+    require(isinstance(fields, dict), DropReason.WRONG_TYPE, "row is not a mapping")
     images, instructions = fields.get("image_list"), fields.get("instruction_list")
     check_row(images, instructions)
     n = len(images)

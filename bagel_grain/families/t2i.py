@@ -6,7 +6,8 @@ import json
 
 import numpy as np
 
-from bagel_grain.families.base import Drop, FamilyTransform, is_text, require
+from bagel_grain.drops import Drop, DropReason, require
+from bagel_grain.families.base import FamilyTransform, is_text
 from bagel_grain.images import ImageTransform
 from bagel_grain.sample import PlanItem, Sample
 from bagel_grain.sources.records import Record
@@ -17,14 +18,15 @@ COLUMNS = ("image", "captions")
 
 def parse_captions(raw) -> list[str]:
   """The caption dict's values in file order; raises Drop unless a mapping of strings."""
-  require(isinstance(raw, (str, bytes)), "bad_caption", f"captions is {type(raw).__name__}")
+  require(isinstance(raw, (str, bytes)), DropReason.BAD_CAPTION,
+          f"captions is {type(raw).__name__}")
   try:
     captions = json.loads(raw)
   except (ValueError, UnicodeDecodeError, RecursionError) as e:
-    raise Drop("bad_caption", f"invalid JSON: {e}"[:200]) from None
-  require(isinstance(captions, dict), "bad_caption", "captions JSON is not a mapping")
+    raise Drop(DropReason.BAD_CAPTION, f"invalid JSON: {e}") from None
+  require(isinstance(captions, dict), DropReason.BAD_CAPTION, "captions JSON is not a mapping")
   values = list(captions.values())
-  require(all(is_text(v) for v in values), "bad_caption", "a caption is not UTF-8 text")
+  require(all(is_text(v) for v in values), DropReason.BAD_CAPTION, "a caption is not UTF-8 text")
   return values
 
 
@@ -37,7 +39,7 @@ class T2ITransform(FamilyTransform):
 
   def parse(self, record: Record, rng: np.random.Generator) -> Sample:
     fields = record.fields
-    require(isinstance(fields, dict), "wrong_type", "row is not a mapping")
+    require(isinstance(fields, dict), DropReason.WRONG_TYPE, "row is not a mapping")
     captions = parse_captions(fields.get("captions"))
     notes = ()
     if captions:

@@ -8,9 +8,10 @@ import re
 import numpy as np
 
 from bagel_grain import fs
-from bagel_grain.families.base import Drop
+from bagel_grain.drops import Drop, DropReason
 
 _FRAME_NUMBER = re.compile(r"_(\d+)\.(?:jpe?g|png)$", re.IGNORECASE)
+_NO_PYAV = "video files need PyAV: pip install 'bagel_grain[video]'"
 
 
 def sample_frame_indices(vlen: int, min_frames: int, max_frames: int,
@@ -22,7 +23,7 @@ def sample_frame_indices(vlen: int, min_frames: int, max_frames: int,
   last frame.
   """
   if vlen < 1:  # e.g. a video file with no decodable frame: a bad record, not a crash
-    raise Drop("video_unreadable", "the video has no frames")
+    raise Drop(DropReason.VIDEO_UNREADABLE, "the video has no frames")
   t = int(rng.integers(min_frames, max_frames + 1))
   kept = min(t, vlen)
   bounds = np.linspace(0, vlen, kept + 1).astype(int)
@@ -39,15 +40,16 @@ def frame_folder(folder: str) -> list[str]:
   try:
     listed = fs.list_files(folder)
   except OSError as e:
-    raise Drop("missing_file", f"video folder {folder}: {e}"[:200]) from None
+    raise Drop(DropReason.MISSING_FILE, f"video folder {folder}: {e}") from None
   frames = [(int(m.group(1)), path) for path in listed if (m := _FRAME_NUMBER.search(path))]
   if not fs.is_uri(folder):
     root = os.path.realpath(folder)
     for _, path in frames:
       if not os.path.realpath(path).startswith(root + os.sep):
-        raise Drop("path_outside_data_dir", f"frame {path} links out of its folder"[:200])
+        raise Drop(DropReason.PATH_OUTSIDE_DATA_DIR,
+                   f"frame {path} links out of its folder")
   if not frames:
-    raise Drop("video_unreadable", f"no *_N.jpg frames in {folder}")
+    raise Drop(DropReason.VIDEO_UNREADABLE, f"no *_N.jpg frames in {folder}")
   return [path for _, path in sorted(frames)]
 
 
@@ -56,7 +58,7 @@ def read_video_frames(path: str, indices: list[int]):
   try:
     import av  # pylint: disable=import-outside-toplevel
   except ImportError:
-    raise Drop("video_unreadable", "video files need PyAV: pip install 'bagel_grain[video]'") from None
+    raise Drop(DropReason.VIDEO_UNREADABLE, _NO_PYAV) from None
   wanted = set(indices)
   frames = {}
   try:
@@ -67,9 +69,9 @@ def read_video_frames(path: str, indices: list[int]):
         if len(frames) == len(wanted):
           break
   except (av.error.FFmpegError, OSError, ValueError) as e:
-    raise Drop("video_unreadable", str(e)[:200]) from None
+    raise Drop(DropReason.VIDEO_UNREADABLE, str(e)) from None
   if len(frames) != len(wanted):
-    raise Drop("video_unreadable", f"{path}: has fewer frames than its index")
+    raise Drop(DropReason.VIDEO_UNREADABLE, f"{path}: has fewer frames than its index")
   return [frames[i] for i in indices]
 
 
@@ -77,7 +79,7 @@ def count_video_frames(path: str) -> int:
   try:
     import av  # pylint: disable=import-outside-toplevel
   except ImportError:
-    raise Drop("video_unreadable", "video files need PyAV: pip install 'bagel_grain[video]'") from None
+    raise Drop(DropReason.VIDEO_UNREADABLE, _NO_PYAV) from None
   try:
     with av.open(path) as container:
       stream = container.streams.video[0]
@@ -85,7 +87,7 @@ def count_video_frames(path: str) -> int:
         return int(stream.frames)
       return sum(1 for _ in container.decode(video=0))
   except (av.error.FFmpegError, OSError, ValueError, IndexError) as e:
-    raise Drop("video_unreadable", str(e)[:200]) from None
+    raise Drop(DropReason.VIDEO_UNREADABLE, str(e)) from None
 
 
 def embedded_frames(files, folder: str) -> list[str]:
@@ -98,5 +100,5 @@ def embedded_frames(files, folder: str) -> list[str]:
             if name.startswith(folder) and "/" not in name[len(folder):]
             and (m := _FRAME_NUMBER.search(name))]
   if not frames:
-    raise Drop("video_unreadable", f"no *_N.jpg frames in {folder}")
+    raise Drop(DropReason.VIDEO_UNREADABLE, f"no *_N.jpg frames in {folder}")
   return [name for _, name in sorted(frames)]

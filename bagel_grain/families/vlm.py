@@ -11,7 +11,8 @@ import numpy as np
 from bagel_grain import fs
 from bagel_grain.config import FrameSamplerArgs
 from bagel_grain.families import video
-from bagel_grain.families.base import Drop, FamilyTransform, is_text, require
+from bagel_grain.drops import Drop, DropReason, require
+from bagel_grain.families.base import FamilyTransform, is_text
 from bagel_grain.images import ImageTransform, resize_image
 from bagel_grain.sample import PlanItem, Sample
 from bagel_grain.sources.framing import LineWithFiles
@@ -24,9 +25,10 @@ ANSWER = PlanItem("text", enable_cfg=0, loss=1)
 
 def _check_relative(relative: str) -> None:
   """Drop unless `relative` is a non-empty relative path string."""
-  require(is_text(relative) and relative != "", "wrong_type", "path is not UTF-8 text")
+  require(is_text(relative) and relative != "", DropReason.WRONG_TYPE,
+          "path is not UTF-8 text")
   require(not os.path.isabs(relative) and not fs.is_uri(relative) and "\x00" not in relative,
-          "path_outside_data_dir", relative[:200])
+          DropReason.PATH_OUTSIDE_DATA_DIR, relative)
 
 
 def inside(data_dir: str, relative: str) -> str:
@@ -35,12 +37,13 @@ def inside(data_dir: str, relative: str) -> str:
   path = fs.join(data_dir, relative)
   if fs.is_uri(data_dir):
     normalised = os.path.normpath(relative)
-    require(normalised != ".." and not normalised.startswith("../"), "path_outside_data_dir",
-            relative[:200])
+    require(normalised != ".." and not normalised.startswith("../"),
+            DropReason.PATH_OUTSIDE_DATA_DIR, relative)
     return path
   root = os.path.realpath(data_dir)
   real = os.path.realpath(path)  # follows symlinks: a link out of data_dir is refused too
-  require(real == root or real.startswith(root + os.sep), "path_outside_data_dir", relative[:200])
+  require(real == root or real.startswith(root + os.sep), DropReason.PATH_OUTSIDE_DATA_DIR,
+          relative)
   return real + (os.sep if relative.endswith("/") else "")
 
 
@@ -52,18 +55,18 @@ def embedded(files: LineWithFiles, relative: str) -> str:
   """
   _check_relative(relative)
   if relative in files.file_errors:
-    raise Drop(files.file_errors[relative], relative[:200])
+    raise Drop(files.file_errors[relative], relative)
   return relative
 
 
 def plan_turns(conversations, num_images: int) -> tuple[list[PlanItem], list[str]]:
   """Plan items and texts of the turns; an image item per `<image>` while images remain."""
-  require(isinstance(conversations, list), "wrong_type", "conversations is not a list")
+  require(isinstance(conversations, list), DropReason.WRONG_TYPE, "conversations is not a list")
   plan, texts, images_left = [], [], num_images
   for turn in conversations:
-    require(isinstance(turn, dict), "wrong_type", "a turn is not an object")
+    require(isinstance(turn, dict), DropReason.WRONG_TYPE, "a turn is not an object")
     role, value = turn.get("from"), turn.get("value")
-    require(is_text(value), "bad_turn", "a turn's value is not UTF-8 text")
+    require(is_text(value), DropReason.BAD_TURN, "a turn's value is not UTF-8 text")
     if role == "human":
       if "<image>" not in value:
         plan.append(PROMPT)  # upstream keeps such a turn verbatim (not stripped)
@@ -100,12 +103,12 @@ class VLMTransform(FamilyTransform):
   def _read(self, path: str, files: LineWithFiles | None) -> bytes:
     if files is not None:  # a converted record: its files travel with it
       if path not in files.files:
-        raise Drop(files.file_errors.get(path, "missing_file"), path[:200])
+        raise Drop(files.file_errors.get(path, DropReason.MISSING_FILE), path)
       return files.files[path]
     try:
       return fs.read_bytes(path)
     except OSError as e:
-      raise Drop("missing_file", str(e)[:200]) from None
+      raise Drop(DropReason.MISSING_FILE, str(e)) from None
 
   def _video_frames(self, path: str, rng: np.random.Generator,
                     files: LineWithFiles | None) -> list:
@@ -117,7 +120,7 @@ class VLMTransform(FamilyTransform):
                                            args.max_num_frames, rng)
       return [frames[i] for i in indices]
     if not (fs.exists(path) if files is None else path in files.files):
-      raise Drop("missing_file", path[:200])
+      raise Drop(DropReason.MISSING_FILE, path)
     opened = (lambda: path) if files is None else (lambda: io.BytesIO(files.files[path]))
     indices = video.sample_frame_indices(video.count_video_frames(opened()), args.min_num_frames,
                                          args.max_num_frames, rng)
@@ -130,12 +133,13 @@ class VLMTransform(FamilyTransform):
     try:
       row = json.loads(line)
     except (ValueError, UnicodeDecodeError, RecursionError) as e:
-      raise Drop("bad_json", str(e)[:200]) from None
-    require(isinstance(row, dict), "bad_json", "line is not a JSON object")
+      raise Drop(DropReason.BAD_JSON, str(e)) from None
+    require(isinstance(row, dict), DropReason.BAD_JSON, "line is not a JSON object")
     data_dir = self.data_dirs[record.dataset]
     locate = (lambda p: inside(data_dir, p)) if files is None else (lambda p: embedded(files, p))
     conversations = row.get("conversations")
-    require(isinstance(conversations, list), "wrong_type", "conversations missing or not a list")
+    require(isinstance(conversations, list), DropReason.WRONG_TYPE,
+            "conversations missing or not a list")
     images: list = []  # paths, or PIL images for frames of a video file
     if "image" in row:
       listed = row["image"] if isinstance(row["image"], list) else [row["image"]]
@@ -148,7 +152,7 @@ class VLMTransform(FamilyTransform):
           if isinstance(t, dict) and t.get("from") == "human" and isinstance(t.get("value"), str)
           else t for t in conversations]
     plan, texts = plan_turns(conversations, len(images))
-    require(any(item.loss for item in plan), "no_loss_item")
+    require(any(item.loss for item in plan), DropReason.NO_LOSS_ITEM)
     used = sum(item.type == "vit_image" for item in plan)
     notes = ("unused_images",) if used < len(images) else ()
     pixels = []

@@ -21,12 +21,12 @@ from typing import Any, Sequence
 import grain
 import numpy as np
 
+from bagel_grain.drops import Dropped, DropReason
 from bagel_grain.errors import GroupExhaustedError, StateMismatchError
 from bagel_grain.packing.fetch import Fetcher
 from bagel_grain.packing.prepare import PreparedSample
 from bagel_grain.packing.row import Capacities, RowBuilder, Usage, empty_row
 from bagel_grain.packing.stats import PackingStats
-from bagel_grain.sample import Dropped
 
 STATE_VERSION = 1
 _DRAW_STREAM = 0xD7A3  # separates group draws from every other use of the seed
@@ -163,13 +163,13 @@ class MixPackIterator(grain.DatasetIterator):
           f"records were dropped (top reasons: {_top(bad)}; last record: {record}). Fix the "
           "data, or raise `max_bad_ratio` / `bad_record_window`.")
 
-  def _drop_reason(self, element: PreparedSample | Dropped) -> str | None:
+  def _drop_reason(self, element: PreparedSample | Dropped) -> DropReason | None:
     if isinstance(element, Dropped):
       return element.reason
     if element.packed_size > self._spec.max_num_tokens_per_sample:
-      return "over_max_tokens_per_sample"
+      return DropReason.OVER_MAX_TOKENS_PER_SAMPLE
     over = self._spec.capacities.overflows(Usage.of(element.layout))
-    return f"over_row_capacity_{over[0]}" if over else None
+    return DropReason.over_row_capacity(over[0]) if over else None
 
   def _weighted(self) -> PreparedSample | None:
     """A sample from a group drawn by weight among the groups not yet exhausted."""

@@ -13,7 +13,8 @@ import numpy as np
 
 from bagel_grain.packing.layout import Geometry, SampleLayout, SpecialTokens, draw_sample_choices
 from bagel_grain.packing.layout import layout_sample
-from bagel_grain.sample import Dropped, Sample, SampleKey
+from bagel_grain.drops import Dropped
+from bagel_grain.sample import Sample, SampleKey
 
 _CHOICES_STREAM = 0x5A3B1E  # separates these draws from every other use of the seed
 

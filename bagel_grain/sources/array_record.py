@@ -17,9 +17,9 @@ import numpy as np
 from array_record.python import array_record_module
 
 from bagel_grain import fs
+from bagel_grain.drops import Drop, DropReason
 from bagel_grain.errors import DatasetError
 from bagel_grain.sources import framing
-from bagel_grain.sources.records import RecordError
 
 SUFFIX = ".array_record"
 
@@ -63,7 +63,7 @@ class ArrayRecordSource:
 
   `source[i]` is what the parquet and JSONL sources give for the same record: a
   `{column: value}` dict for a parquet row, a `LineWithFiles` for a JSONL line. A
-  record that does not decode raises `RecordError("corrupt_record")` and becomes
+  record that does not decode raises `Drop(DropReason.CORRUPT_RECORD)` and becomes
   a dropped sample. Local files only (ArrayRecord's reader opens paths itself).
   """
 
@@ -98,8 +98,8 @@ class ArrayRecordSource:
     try:
       data = self._data[index]
     except (RuntimeError, ValueError) as e:  # the reader's error for a damaged chunk
-      raise RecordError("unreadable_file", str(e)[:200]) from None
+      raise Drop(DropReason.UNREADABLE_FILE, str(e)) from None
     try:
       return framing.decode(data)[1]
     except framing.FramingError as e:
-      raise RecordError("corrupt_record", str(e)) from None
+      raise Drop(DropReason.CORRUPT_RECORD, str(e)) from None

@@ -28,11 +28,14 @@ import json
 import struct
 from typing import Any, Mapping
 
+from bagel_grain.drops import DropReason
+
 MAGIC = b"BGR1"
 _PREFIX = struct.Struct("<4sI")
 PARQUET_ROW = "parquet_row"
 JSONL_LINE = "jsonl_line"
 _FORMATS = (PARQUET_ROW, JSONL_LINE)
+_REASONS = frozenset(DropReason)
 
 
 class FramingError(ValueError):
@@ -52,7 +55,7 @@ class LineWithFiles:
 
   line: bytes
   files: Mapping[str, bytes] = dataclasses.field(default_factory=dict)
-  file_errors: Mapping[str, str] = dataclasses.field(default_factory=dict)
+  file_errors: Mapping[str, DropReason] = dataclasses.field(default_factory=dict)
 
 
 def _strip_blobs(value: Any, path: list, blobs: list[tuple[list, bytes]]) -> Any:
@@ -133,7 +136,7 @@ def decode(data: bytes) -> tuple[str, Any]:
   try:
     header = json.loads(bytes(view[_PREFIX.size:body]).decode("utf-8"))
   except (ValueError, UnicodeDecodeError, RecursionError) as e:
-    raise FramingError(f"header is not JSON: {e}"[:200]) from None
+    raise FramingError(f"header is not JSON: {e}") from None
   if not isinstance(header, dict) or header.get("format") not in _FORMATS:
     raise FramingError("header lacks a known `format`")
   blobs, fields = header.get("blobs"), header.get("fields")
@@ -159,6 +162,8 @@ def _line_with_files(fields: Any) -> LineWithFiles:
           and isinstance(fields.get("files"), dict)
           and all(isinstance(v, bytes) for v in fields["files"].values())
           and isinstance(fields.get("file_errors"), dict)
-          and all(isinstance(v, str) for v in fields["file_errors"].values())):
-    raise FramingError("a jsonl_line record needs bytes `line`, `files` and `file_errors`")
-  return LineWithFiles(fields["line"], fields["files"], fields["file_errors"])
+          and all(isinstance(v, str) and v in _REASONS for v in fields["file_errors"].values())):
+    raise FramingError("a jsonl_line record needs bytes `line`, `files`, and `file_errors` "
+                       "holding drop reasons")
+  errors = {path: DropReason(v) for path, v in fields["file_errors"].items()}
+  return LineWithFiles(fields["line"], fields["files"], errors)

@@ -17,6 +17,7 @@ import grain
 import numpy as np
 import pyarrow as pa
 
+from bagel_grain.drops import Drop, Dropped, DropReason
 from bagel_grain.errors import DatasetError
 
 
@@ -29,15 +30,7 @@ class Record:
   record_id: str
   dataset: int  # which of the group's datasets (for its data_dir)
   fields: Any = None
-  error: str | None = None
-
-
-class RecordError(Exception):
-  """Raised by a source for one record it cannot read: the record carries `reason:detail`."""
-
-  def __init__(self, reason: str, detail: str = ""):
-    super().__init__(reason, detail)
-    self.reason, self.detail = reason, detail
+  error: Dropped | None = None
 
 
 class ConcatSource:
@@ -160,7 +153,8 @@ class ShuffledRecords(grain.MapDataset):
     try:
       fields = self._source[source_index]
     except (OSError, pa.ArrowException) as e:  # a file that became unreadable mid-run
-      return Record(index, epoch, record_id, dataset, error="unreadable_file:" + str(e)[:200])
-    except RecordError as e:
-      return Record(index, epoch, record_id, dataset, error=f"{e.reason}:{e.detail[:200]}")
+      return Record(index, epoch, record_id, dataset,
+                    error=Dropped(DropReason.UNREADABLE_FILE, str(e)))
+    except Drop as e:  # the source's verdict on this one record
+      return Record(index, epoch, record_id, dataset, error=e.dropped)
     return Record(index, epoch, record_id, dataset, fields)
