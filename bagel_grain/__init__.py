@@ -4,8 +4,11 @@ The host side is numpy only; `bagel_grain.jax` holds the device side.
 """
 
 from bagel_grain.config import PipelineConfig, load_config
+from bagel_grain.packed_row import PackedBatch, PackedRow, SplitMode, TokenType
+from bagel_grain.packing.bagel_dict import to_bagel_dict
 from bagel_grain.pipeline import build_pipeline, pipeline_stats
 from bagel_grain.tokenizer import load_tokenizer
 
-__all__ = ["PipelineConfig", "build_pipeline", "load_config", "load_tokenizer",
-           "pipeline_stats"]
+__all__ = ["PackedBatch", "PackedRow", "PipelineConfig", "SplitMode", "TokenType",
+           "build_pipeline", "load_config", "load_tokenizer", "pipeline_stats",
+           "to_bagel_dict"]

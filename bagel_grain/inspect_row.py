@@ -17,7 +17,7 @@ import numpy as np
 from PIL import Image, ImageDraw, ImageFont
 
 from bagel_grain.packing.attention import row_mask
-from bagel_grain.packing.layout import MODE_NAMES
+from bagel_grain.packed_row import MODE_NAMES
 
 _PALETTE = np.array([
     (31, 119, 180), (255, 127, 14), (44, 160, 44), (214, 39, 40), (148, 103, 189),

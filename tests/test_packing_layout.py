@@ -6,9 +6,10 @@ import numpy as np
 import pytest
 
 from bagel_grain.packing.bagel_dict import to_bagel_dict
+from bagel_grain.packed_row import SplitMode, TokenType
 from bagel_grain.packing.layout import (
-    CAUSAL, FULL, NOISE, TEXT, VAE, VIT, Geometry, SpecialTokens, draw_sample_choices,
-    layout_sample)
+    Geometry, SpecialTokens, draw_sample_choices, layout_sample, next_rope, text_tokens, vae_tokens,
+    vit_tokens)
 from bagel_grain.packing.row import Capacities, RowBuilder
 from bagel_grain.sample import PlanItem, Sample, SampleKey
 from golden import GOLDEN, load_json
@@ -136,10 +137,11 @@ def lay(plan, texts=(), images=(), drops=(), steps=()):
 def test_text_only_sample():
   out = lay([PlanItem("text"), PlanItem("text", loss=1)], texts=[[50, 51], [60, 61, 62]])
   assert out.text_ids.tolist() == [1, 50, 51, 2, 1, 60, 61, 62, 2]
-  assert out.token_type.tolist() == [TEXT] * 9
+  assert out.token_type.tolist() == [TokenType.TEXT] * 9
   assert out.position_ids.tolist() == list(range(9))
   assert out.split_ids.tolist() == [1] * 4 + [2] * 5
-  assert out.split_lens.tolist() == [4, 5] and out.split_modes.tolist() == [CAUSAL] * 2
+  assert out.split_lens.tolist() == [4, 5]
+  assert out.split_modes.tolist() == [SplitMode.CAUSAL] * 2
   assert out.label_ids.tolist() == [0] * 4 + [60, 61, 62, 2, 0]
   np.testing.assert_array_equal(out.ce_weights, np.float32([0] * 4 + [0.5] * 4 + [0]))
   assert not out.mse_mask.any() and out.num_vit_tokens == 0 and out.num_vae_images == 0
@@ -150,10 +152,12 @@ def test_vit_sample_patches_and_rope():
   img = np.arange(4 * 6 * 3, dtype=np.uint8).reshape(4, 6, 3)
   out = lay([PlanItem("vit_image", special_token_loss=1, special_token_label=77),
              PlanItem("text", loss=1)], texts=[[9]], images=[img])
-  assert out.token_type.tolist() == [TEXT] + [VIT] * 6 + [TEXT] * 4
+  text, vit = TokenType.TEXT, TokenType.VIT
+  assert out.token_type.tolist() == [text] + [vit] * 6 + [text] * 4
   assert out.text_ids.tolist() == [3] + [0] * 6 + [4, 1, 9, 2]
   assert out.position_ids.tolist() == [0] * 8 + [1, 2, 3]
-  assert out.split_lens.tolist() == [8, 3] and out.split_modes.tolist() == [FULL, CAUSAL]
+  assert out.split_lens.tolist() == [8, 3]
+  assert out.split_modes.tolist() == [SplitMode.FULL, SplitMode.CAUSAL]
   assert out.vit_token_index.tolist() == list(range(1, 7))
   assert out.vit_image_ids.tolist() == [1] * 6
   assert out.vit_position_ids.tolist() == [0, 1, 2, 10, 11, 12]
@@ -173,7 +177,8 @@ def test_dropped_items_consume_payloads_and_advance_rope():
             drops=[True, False, True], steps=[0.25])
   # Dropped VAE: RoPE 0 -> 1; ViT at 1 -> 2; dropped text: nothing; loss VAE at 2.
   assert out.position_ids.tolist() == [1] * 4 + [2] * 8
-  assert out.split_modes.tolist() == [FULL, NOISE] and out.split_lens.tolist() == [4, 8]
+  assert out.split_modes.tolist() == [SplitMode.FULL, SplitMode.NOISE]
+  assert out.split_lens.tolist() == [4, 8]
   assert (out.vit_patches == 2).all() and out.num_vit_tokens == 2
   assert len(out.vae_images) == 1 and out.vae_images[0] is vae1
   assert out.vae_token_index.tolist() == list(range(5, 11))
@@ -188,8 +193,9 @@ def test_clean_vae_is_full_and_advances_rope():
   out = lay([PlanItem("vae_image"), PlanItem("text")], texts=[[]], images=[img])
   assert out.position_ids.tolist() == [0] * 4 + [1, 2]
   assert np.isneginf(out.timesteps[1:3]).all() and not out.mse_mask.any()
-  assert out.split_modes.tolist() == [FULL, CAUSAL]
-  assert out.token_type.tolist() == [TEXT, VAE, VAE, TEXT, TEXT, TEXT]
+  assert out.split_modes.tolist() == [SplitMode.FULL, SplitMode.CAUSAL]
+  text, vae = TokenType.TEXT, TokenType.VAE
+  assert out.token_type.tolist() == [text, vae, vae, text, text, text]
 
 
 def test_everything_dropped_is_empty():
@@ -221,3 +227,69 @@ def test_draw_sample_choices_order():
   drops, steps = draw_sample_choices(plan, np.random.default_rng(3), text_p=1.0, vit_p=0.0,
                                      vae_p=1.0)
   assert drops == (True, True, False) and len(steps) == 2
+
+
+# One plan item at a time: each item type's function on literal inputs.
+
+def test_text_item_with_loss_predicts_the_next_token():
+  out = text_tokens(np.asarray([50, 51, 52], np.int32), PlanItem("text", loss=1), 7, TOK)
+  assert out.text_ids.tolist() == [1, 50, 51, 52, 2]
+  assert out.position_ids.tolist() == [7, 8, 9, 10, 11]
+  assert out.label_ids.tolist() == [50, 51, 52, 2, 0]
+  np.testing.assert_array_equal(out.ce_weights, np.float32([0.5] * 4 + [0]))
+  assert out.mode == SplitMode.CAUSAL and out.patches is None and out.image is None
+
+
+def test_text_item_special_label_on_its_eos_only():
+  item = PlanItem("text", special_token_loss=1, special_token_label=77)
+  out = text_tokens(np.asarray([5], np.int32), item, 0, TOK)
+  assert out.label_ids.tolist() == [0, 0, 77] and out.ce_weights.tolist() == [0, 0, 1]
+
+
+def test_vit_item_is_a_marked_run_of_patches_at_one_position():
+  image = np.arange(2 * 4 * 3, dtype=np.uint8).reshape(2, 4, 3)  # two 2x2 patches
+  out = vit_tokens(image, PlanItem("vit_image"), 3, GEO, TOK)
+  assert out.text_ids.tolist() == [3, 0, 0, 4]
+  assert out.token_type.tolist() == [TokenType.TEXT, TokenType.VIT, TokenType.VIT,
+                                     TokenType.TEXT]
+  assert out.position_ids.tolist() == [3] * 4 and out.mode == SplitMode.FULL
+  assert out.patches.tolist() == [image[:, :2].reshape(-1).tolist(),
+                                  image[:, 2:].reshape(-1).tolist()]
+  assert out.patch_position_ids.tolist() == [0, 1] and not out.ce_weights.any()
+
+
+def test_vae_item_with_a_loss_is_noised_at_its_timestep():
+  image = np.zeros((4, 8, 3), np.uint8)  # 1 x 2 latents at stride 4
+  out = vae_tokens(image, PlanItem("vae_image", loss=1), 2, 0.5, GEO, TOK)
+  assert out.token_type.tolist() == [TokenType.TEXT, TokenType.VAE, TokenType.VAE,
+                                     TokenType.TEXT]
+  assert out.timesteps.tolist() == [0, 0.5, 0.5, 0] and out.mse_mask.tolist() == [
+      False, True, True, False]
+  assert out.mode == SplitMode.NOISE and out.image is image
+  assert out.latent_position_ids.tolist() == [0, 1]
+
+
+def test_vae_item_clean_or_a_video_frame_is_a_full_split_without_noise():
+  image = np.zeros((4, 4, 3), np.uint8)
+  clean = vae_tokens(image, PlanItem("vae_image"), 0, -np.inf, GEO, TOK)
+  assert clean.mode == SplitMode.FULL and not clean.mse_mask.any()
+  frame = vae_tokens(image, PlanItem("vae_image", loss=1, frame_delta=2), 0, 0.1, GEO, TOK)
+  assert frame.mode == SplitMode.FULL and frame.mse_mask.tolist() == [False, True, False]
+  # A loss item whose split drew no timestep (its start was dropped) stays clean.
+  unnoised = vae_tokens(image, PlanItem("vae_image", loss=1), 0, -np.inf, GEO, TOK)
+  assert not unnoised.mse_mask.any()
+
+
+def test_rope_after_each_kind_of_item():
+  text = text_tokens(np.asarray([5, 6], np.int32), PlanItem("text"), 0, TOK)
+  image = np.zeros((4, 4, 3), np.uint8)
+  vit = vit_tokens(image, PlanItem("vit_image"), 0, GEO, TOK)
+  vae = vae_tokens(image, PlanItem("vae_image"), 0, -np.inf, GEO, TOK)
+  assert next_rope(PlanItem("text"), 10, text) == 14
+  assert next_rope(PlanItem("text"), 10, None) == 10  # dropped
+  assert next_rope(PlanItem("vit_image"), 10, vit) == 11
+  assert next_rope(PlanItem("vit_image"), 10, None) == 11
+  assert next_rope(PlanItem("vae_image"), 10, vae) == 11
+  assert next_rope(PlanItem("vae_image", loss=1), 10, None) == 11
+  assert next_rope(PlanItem("vae_image", loss=1), 10, vae) == 10  # noised: the next shares
+  assert next_rope(PlanItem("vae_image", loss=1, frame_delta=3), 10, vae) == 13

@@ -9,10 +9,9 @@ from hypothesis import strategies as st
 
 from bagel_grain.packing.attention import row_mask
 from bagel_grain.packing.bagel_dict import to_bagel_dict
-from bagel_grain.packing.layout import (
-    PAD, TEXT, VAE, VIT, Geometry, SpecialTokens, layout_sample)
-from bagel_grain.packing.row import (
-    ROW_FIELDS, Capacities, RowBuilder, Usage, default_capacities, empty_row)
+from bagel_grain.packed_row import ROW_FIELDS, TokenType
+from bagel_grain.packing.layout import Geometry, SpecialTokens, layout_sample
+from bagel_grain.packing.row import Capacities, RowBuilder, Usage, default_capacities, empty_row
 from bagel_grain.sample import PlanItem
 
 P, D = 2, 4
@@ -113,13 +112,14 @@ def test_row_builder_invariants(raw, caps, interpolate):
 
   # Every position is exactly one of text/ViT/VAE/pad.
   tt = row["token_type"]
-  assert set(np.unique(tt[:n]).tolist()) <= {TEXT, VIT, VAE} and (tt[n:] == PAD).all()
+  assert set(np.unique(tt[:n]).tolist()) <= {TokenType.TEXT, TokenType.VIT, TokenType.VAE}
+  assert (tt[n:] == TokenType.PAD).all()
   vit_idx, vae_idx = row["vit_token_index"], row["vae_token_index"]
   assert (vit_idx[v:] == L).all() and (vae_idx[t:] == L).all()
-  assert np.array_equal(np.sort(vit_idx[:v]), np.flatnonzero(tt == VIT))
-  assert np.array_equal(np.sort(vae_idx[:t]), np.flatnonzero(tt == VAE))
-  assert (row["text_ids"][tt != TEXT] == 0).all()
-  assert (row["text_ids"][tt == TEXT] > 0).all()
+  assert np.array_equal(np.sort(vit_idx[:v]), np.flatnonzero(tt == TokenType.VIT))
+  assert np.array_equal(np.sort(vae_idx[:t]), np.flatnonzero(tt == TokenType.VAE))
+  assert (row["text_ids"][tt != TokenType.TEXT] == 0).all()
+  assert (row["text_ids"][tt == TokenType.TEXT] > 0).all()
 
   # Samples and splits tile the real tokens.
   seg, split = row["segment_ids"], row["split_ids"]
@@ -139,17 +139,17 @@ def test_row_builder_invariants(raw, caps, interpolate):
   # CE: next text token, or the item's special label on a closing token.
   text = row["text_ids"]
   for q in np.flatnonzero(row["ce_weights"] > 0):
-    assert tt[q] == TEXT
+    assert tt[q] == TokenType.TEXT
     if text[q] in (TOK.eos, TOK.end_of_image):
       assert row["label_ids"][q] >= SPECIAL_LABEL and row["ce_weights"][q] == 1.0
     else:
-      assert q + 1 < n and tt[q + 1] == TEXT and row["label_ids"][q] == text[q + 1]
+      assert q + 1 < n and tt[q + 1] == TokenType.TEXT and row["label_ids"][q] == text[q + 1]
   assert (row["label_ids"][row["ce_weights"] == 0] == 0).all()
 
   # mse only on VAE latents with finite timesteps; other positions have timestep 0.
   mse, ts = row["mse_mask"], row["timesteps"]
-  assert (tt[mse] == VAE).all() and np.isfinite(ts[mse]).all()
-  assert (ts[tt != VAE] == 0).all()
+  assert (tt[mse] == TokenType.VAE).all() and np.isfinite(ts[mse]).all()
+  assert (ts[tt != TokenType.VAE] == 0).all()
 
   # VAE images top-left aligned, zero elsewhere, within S.
   hw = row["vae_image_hw"]

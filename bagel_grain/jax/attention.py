@@ -28,7 +28,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-CAUSAL, FULL, NOISE = 0, 1, 2
+from bagel_grain.packed_row import SplitMode
+
 EMPTY_BLOCK, PARTIAL_BLOCK, FULL_BLOCK = 0, 1, 2
 
 
@@ -36,7 +37,7 @@ def token_split_modes(split_ids: jax.Array, split_modes: jax.Array) -> jax.Array
   """Per-token split mode [..., L] (causal on padding) from per-split modes [..., K]."""
   index = jnp.maximum(split_ids - 1, 0)
   mode = jnp.take_along_axis(split_modes.astype(jnp.int32), index, axis=-1)
-  return jnp.where(split_ids > 0, mode, CAUSAL)
+  return jnp.where(split_ids > 0, mode, SplitMode.CAUSAL)
 
 
 def dense_mask(segment_ids: jax.Array, split_ids: jax.Array,
@@ -48,10 +49,10 @@ def dense_mask(segment_ids: jax.Array, split_ids: jax.Array,
   same_seg = (seg[..., :, None] == seg[..., None, :]) & (seg[..., :, None] > 0)
   same_split = split[..., :, None] == split[..., None, :]
   k_mode = mode[..., None, :]
-  open_split = (k_mode == FULL) | (k_mode == NOISE)
+  open_split = (k_mode == SplitMode.FULL) | (k_mode == SplitMode.NOISE)
   causal = pos[None, :] <= pos[:, None]
   allowed = same_seg & (causal | (same_split & open_split))
-  return allowed & ~((k_mode == NOISE) & ~same_split)
+  return allowed & ~((k_mode == SplitMode.NOISE) & ~same_split)
 
 
 class KeyIntervals(NamedTuple):
@@ -86,8 +87,8 @@ def key_intervals(segment_ids: jax.Array, split_ids: jax.Array,
   split_start, split_end = _run_bounds(split_ids)
   _, seg_end = _run_bounds(segment_ids)
   real = segment_ids > 0
-  first = jnp.where(mode == CAUSAL, pos, split_start)
-  last = jnp.where(mode == NOISE, split_end, seg_end)
+  first = jnp.where(mode == SplitMode.CAUSAL, pos, split_start)
+  last = jnp.where(mode == SplitMode.NOISE, split_end, seg_end)
   return KeyIntervals(jnp.where(real, first, length).astype(jnp.int32),
                       jnp.where(real, last, -1).astype(jnp.int32))
 

@@ -13,22 +13,15 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
-TEXT = 1
-
-# (u8/255 - 0.5)/0.5 as torchvision computes it in float32 (and `to_bagel_dict` on the
-# host). A table, because XLA's float division is not correctly rounded on every
-# backend (on CPU, inside jit, 255 -> 1.0000001), while a lookup is exact everywhere.
-_PIXEL_VALUES = ((np.arange(256, dtype=np.float32) / np.float32(255) - np.float32(0.5))
-                 / np.float32(0.5))
+from bagel_grain.packed_row import PIXEL_VALUES, TokenType
 
 
 def normalize_pixels(pixels: jax.Array, valid: jax.Array, dtype=jnp.float32) -> jax.Array:
   """uint8 -> `(x/255 - 0.5)/0.5` in [-1, 1] where `valid` (broadcast), 0 elsewhere."""
   index = jnp.asarray(pixels).astype(jnp.int32)
   # The result is laid out like the pixels (explicit-sharding meshes ask for it).
-  x = jnp.asarray(_PIXEL_VALUES).at[index].get(out_sharding=jax.typeof(index).sharding)
+  x = jnp.asarray(PIXEL_VALUES).at[index].get(out_sharding=jax.typeof(index).sharding)
   return jnp.where(valid, x, 0.0).astype(dtype)
 
 
@@ -89,7 +82,7 @@ def assemble_sequence(token_type: jax.Array, text_embeddings: jax.Array, vit_tok
                       vae_token_index: jax.Array) -> jax.Array:
   """One [B, L, D] input sequence: text embeddings at text/marker positions, then the
   ViT [B, V, D] and VAE [B, T, D] tokens scattered to their positions; padding is 0."""
-  text = jnp.where((token_type == TEXT)[..., None], text_embeddings, 0)
+  text = jnp.where((token_type == TokenType.TEXT)[..., None], text_embeddings, 0)
   seq = scatter_tokens(text, vit_tokens, vit_token_index)
   return scatter_tokens(seq, vae_tokens, vae_token_index)
 

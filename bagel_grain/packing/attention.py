@@ -6,7 +6,7 @@ from typing import Sequence
 
 import numpy as np
 
-from bagel_grain.packing.layout import CAUSAL, FULL, MODE_NAMES, NOISE
+from bagel_grain.packed_row import MODE_NAMES, SplitMode
 
 _MODE_CODES = {name: code for code, name in enumerate(MODE_NAMES)}
 
@@ -23,9 +23,9 @@ def _rule(q_seg, k_seg, q_split, k_split, k_mode, k_pos_le_q):
   """DESIGN.md section 5: same sample and (causal or own full/noise split), and
   never a noise split's keys from outside that split."""
   same_split = q_split == k_split
-  open_split = (k_mode == FULL) | (k_mode == NOISE)
+  open_split = (k_mode == SplitMode.FULL) | (k_mode == SplitMode.NOISE)
   allowed = (q_seg == k_seg) & (k_pos_le_q | (same_split & open_split))
-  return allowed & ~((k_mode == NOISE) & ~same_split)
+  return allowed & ~((k_mode == SplitMode.NOISE) & ~same_split)
 
 
 def sample_mask(split_lens: Sequence[int] | np.ndarray,
@@ -51,7 +51,7 @@ def row_mask(segment_ids: np.ndarray, split_ids: np.ndarray,
   split = np.asarray(split_ids).reshape(-1)
   modes = mode_codes(split_modes_per_split)
   real = seg > 0
-  mode = np.where(real, modes[np.maximum(split - 1, 0)], CAUSAL)
+  mode = np.where(real, modes[np.maximum(split - 1, 0)], SplitMode.CAUSAL)
   pos = np.arange(seg.shape[0])
   allowed = _rule(seg[:, None], seg[None, :], split[:, None], split[None, :],
                   mode[None, :], pos[None, :] <= pos[:, None])

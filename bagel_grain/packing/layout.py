@@ -7,14 +7,9 @@ from typing import Sequence
 
 import numpy as np
 
+from bagel_grain.packed_row import SplitMode, TokenType
 from bagel_grain.packing import positions
 from bagel_grain.sample import PlanItem
-
-# Token types (DESIGN.md section 5).
-PAD, TEXT, VIT, VAE = 0, 1, 2, 3
-# Split attention modes, in the row's int8 encoding.
-CAUSAL, FULL, NOISE = 0, 1, 2
-MODE_NAMES = ("causal", "full", "noise")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -133,39 +128,195 @@ def patchify(image: np.ndarray, patch: int) -> np.ndarray:
   return x.reshape(h * w, patch * patch * c)
 
 
-class _Parts:
-  """Per-item chunks of every per-token field, concatenated once at the end."""
+def concat(arrays: Sequence[np.ndarray], dtype, tail: tuple[int, ...] = ()) -> np.ndarray:
+  """One array of `dtype` from `arrays` joined on axis 0 (an empty [0, *tail] when none)."""
+  if not arrays:
+    return np.zeros((0, *tail), dtype)
+  return np.concatenate(arrays).astype(dtype, copy=False)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class ItemTokens:
+  """One kept plan item laid out, per token from its first token, and its image arrays.
+
+  `patches`/`patch_position_ids` are set for a ViT image, `image`/`latent_position_ids`
+  for a VAE image; an image's tokens are its run minus the two markers.
+  """
+
+  text_ids: np.ndarray
+  token_type: np.ndarray
+  position_ids: np.ndarray
+  label_ids: np.ndarray
+  ce_weights: np.ndarray
+  timesteps: np.ndarray
+  mse_mask: np.ndarray
+  mode: SplitMode  # the mode of a split this item starts
+  patches: np.ndarray | None = None
+  patch_position_ids: np.ndarray | None = None
+  image: np.ndarray | None = None
+  latent_position_ids: np.ndarray | None = None
+
+  @property
+  def num_tokens(self) -> int:
+    return int(self.token_type.shape[0])
+
+
+def _item_labels(item: PlanItem, n: int) -> tuple[np.ndarray, np.ndarray]:
+  """Labels/weights of an image run: only its end marker may carry a loss."""
+  labels = np.zeros(n, np.int32)
+  weights = np.zeros(n, np.float32)
+  if item.special_token_loss == 1:
+    labels[-1], weights[-1] = item.special_token_label, 1.0
+  return labels, weights
+
+
+def _image_run(kind: TokenType, n: int, special: SpecialTokens) -> tuple[np.ndarray, np.ndarray]:
+  """Text ids and token types of an image's run: [start marker, n image tokens, end marker]."""
+  text_ids = np.zeros(n + 2, np.int32)
+  text_ids[0], text_ids[-1] = special.start_of_image, special.end_of_image
+  token_type = np.full(n + 2, kind, np.int8)
+  token_type[[0, -1]] = TokenType.TEXT
+  return text_ids, token_type
+
+
+def text_tokens(ids: np.ndarray, item: PlanItem, rope: int,
+                special: SpecialTokens) -> ItemTokens:
+  """A text item: bos, its ids, eos at RoPE rope, rope+1, ...; with `loss`, each token
+  predicts the next at weight 1/sqrt(n+1); the eos may carry a special label."""
+  ids = np.asarray(ids, np.int32).reshape(-1)
+  n = ids.shape[0]
+  toks = np.concatenate([[special.bos], ids, [special.eos]]).astype(np.int32)
+  labels = np.zeros(n + 2, np.int32)
+  weights = np.zeros(n + 2, np.float32)
+  if item.loss == 1:
+    labels[:n + 1] = toks[1:]
+    weights[:n + 1] = np.float32(1.0 / np.sqrt(n + 1.0))
+  if item.special_token_loss == 1:
+    labels[-1], weights[-1] = item.special_token_label, 1.0
+  return ItemTokens(
+      text_ids=toks, token_type=np.full(n + 2, TokenType.TEXT, np.int8),
+      position_ids=(rope + np.arange(n + 2)).astype(np.int32), label_ids=labels,
+      ce_weights=weights, timesteps=np.zeros(n + 2, np.float32),
+      mse_mask=np.zeros(n + 2, bool), mode=SplitMode.CAUSAL)
+
+
+def vit_tokens(image: np.ndarray, item: PlanItem, rope: int, geometry: Geometry,
+               special: SpecialTokens) -> ItemTokens:
+  """A ViT image: its patches between two markers, all at RoPE `rope`, in a full split."""
+  image = np.asarray(image, np.uint8)
+  patches = patchify(image, geometry.vit_patch_size)
+  v = patches.shape[0]
+  text_ids, token_type = _image_run(TokenType.VIT, v, special)
+  labels, weights = _item_labels(item, v + 2)
+  return ItemTokens(
+      text_ids=text_ids, token_type=token_type, position_ids=np.full(v + 2, rope, np.int32),
+      label_ids=labels, ce_weights=weights, timesteps=np.zeros(v + 2, np.float32),
+      mse_mask=np.zeros(v + 2, bool), mode=SplitMode.FULL, patches=patches,
+      patch_position_ids=positions.flattened_position_ids(
+          image.shape[0], image.shape[1], geometry.vit_patch_size,
+          geometry.max_num_patch_per_side, interpolate=geometry.interpolate_pos))
+
+
+def vae_tokens(image: np.ndarray, item: PlanItem, rope: int, timestep: float,
+               geometry: Geometry, special: SpecialTokens) -> ItemTokens:
+  """A VAE image: its latents between two markers, all at RoPE `rope`.
+
+  `timestep` goes to every latent (-inf: a clean image); the latents are noised
+  (mse) when the item has a loss and the timestep is finite. A noised image that
+  is not a video frame makes its split a noise split, else a full one.
+  """
+  image = np.asarray(image, np.uint8)
+  d = geometry.vae_downsample
+  t = (image.shape[0] // d) * (image.shape[1] // d)
+  text_ids, token_type = _image_run(TokenType.VAE, t, special)
+  timesteps = np.full(t + 2, timestep, np.float32)
+  timesteps[[0, -1]] = 0.0
+  mse = np.zeros(t + 2, bool)
+  mse[1:-1] = item.loss == 1 and np.isfinite(timestep)
+  labels, weights = _item_labels(item, t + 2)
+  noise = item.loss == 1 and item.frame_delta is None
+  return ItemTokens(
+      text_ids=text_ids, token_type=token_type, position_ids=np.full(t + 2, rope, np.int32),
+      label_ids=labels, ce_weights=weights, timesteps=timesteps, mse_mask=mse,
+      mode=SplitMode.NOISE if noise else SplitMode.FULL, image=image,
+      latent_position_ids=positions.flattened_position_ids(
+          image.shape[0], image.shape[1], d, geometry.max_latent_size,
+          interpolate=geometry.interpolate_pos))
+
+
+def next_rope(item: PlanItem, rope: int, tokens: ItemTokens | None) -> int:
+  """The RoPE position after an item (`tokens` None when it was dropped).
+
+  A text advances by its length (0 when dropped); any image by 1, except a kept
+  VAE image: by its `frame_delta` (a video frame), or by 0 when it takes a loss
+  (the noised image and what follows share a position).
+  """
+  if item.type == "text":
+    return rope + (0 if tokens is None else tokens.num_tokens)
+  if tokens is None or item.type == "vit_image":
+    return rope + 1
+  if item.frame_delta is not None:
+    return rope + item.frame_delta
+  return rope + (1 if item.loss == 0 else 0)
+
+
+class _SampleParts:
+  """The laid-out items of one sample, and its attention splits, joined at the end."""
 
   def __init__(self):
-    self.text_ids, self.token_type, self.position_ids, self.split_ids = [], [], [], []
-    self.label_ids, self.ce_weights, self.timesteps, self.mse_mask = [], [], [], []
+    self.items: list[ItemTokens] = []
+    self.starts: list[int] = []  # each item's first position in the sample
     self.length = 0
+    self.split_lens: list[int] = []
+    self.split_modes: list[SplitMode] = []
+    self.split_ids: list[np.ndarray] = []
+    self._split_len, self._split_mode = 0, None
 
-  def add(self, text_ids, token_type, position, split_id, labels=None, weights=None,
-          timesteps=None, mse=None):
-    n = len(token_type)
-    self.text_ids.append(np.asarray(text_ids, np.int32))
-    self.token_type.append(np.asarray(token_type, np.int8))
-    self.position_ids.append(np.asarray(position, np.int32) + np.zeros(n, np.int32))
-    self.split_ids.append(np.full(n, split_id, np.int32))
-    self.label_ids.append(np.zeros(n, np.int32) if labels is None else labels)
-    self.ce_weights.append(np.zeros(n, np.float32) if weights is None else weights)
-    self.timesteps.append(np.zeros(n, np.float32) if timesteps is None else timesteps)
-    self.mse_mask.append(np.zeros(n, bool) if mse is None else mse)
+  def add(self, tokens: ItemTokens) -> None:
+    n = tokens.num_tokens
+    self.items.append(tokens)
+    self.starts.append(self.length)
+    self.split_ids.append(np.full(n, len(self.split_lens) + 1, np.int32))
     self.length += n
+    self._split_len += n
+    if self._split_mode is None:  # a split's mode comes from its first kept item
+      self._split_mode = tokens.mode
+
+  def close_split(self) -> None:
+    if self._split_len > 0:
+      self.split_lens.append(self._split_len)
+      self.split_modes.append(self._split_mode)
+    self._split_len, self._split_mode = 0, None
+
+  def layout(self, patch_width: int) -> SampleLayout:
+    items = self.items
+    vit = [(x, s) for x, s in zip(items, self.starts) if x.patches is not None]
+    vae = [(x, s) for x, s in zip(items, self.starts) if x.image is not None]
+    return SampleLayout(
+        text_ids=concat([x.text_ids for x in items], np.int32),
+        token_type=concat([x.token_type for x in items], np.int8),
+        position_ids=concat([x.position_ids for x in items], np.int32),
+        split_ids=concat(self.split_ids, np.int32),
+        label_ids=concat([x.label_ids for x in items], np.int32),
+        ce_weights=concat([x.ce_weights for x in items], np.float32),
+        timesteps=concat([x.timesteps for x in items], np.float32),
+        mse_mask=concat([x.mse_mask for x in items], bool),
+        split_lens=np.asarray(self.split_lens, np.int32),
+        split_modes=np.asarray(self.split_modes, np.int8),
+        vit_patches=concat([x.patches for x, _ in vit], np.uint8, (patch_width,)),
+        vit_position_ids=concat([x.patch_position_ids for x, _ in vit], np.int32),
+        vit_token_index=concat([_inner_positions(x, s) for x, s in vit], np.int32),
+        vit_image_ids=concat([np.full(len(x.patches), i + 1, np.int32)
+                              for i, (x, _) in enumerate(vit)], np.int32),
+        vae_images=tuple(x.image for x, _ in vae),
+        vae_latent_position_ids=concat([x.latent_position_ids for x, _ in vae], np.int32),
+        vae_token_index=concat([_inner_positions(x, s) for x, s in vae], np.int32),
+    )
 
 
-def _cat(chunks, dtype, width=None):
-  if not chunks:
-    return np.zeros((0,) if width is None else (0, width), dtype)
-  return np.concatenate(chunks).astype(dtype, copy=False)
-
-
-def _marker_run(start: int, n: int, end: int) -> np.ndarray:
-  """[start, 0 * n, end]: text ids of an image run (its patches/latents are not text)."""
-  out = np.zeros(n + 2, np.int32)
-  out[0], out[-1] = start, end
-  return out
+def _inner_positions(tokens: ItemTokens, start: int) -> np.ndarray:
+  """Sample positions of an image's tokens: its run without the two markers."""
+  return start + 1 + np.arange(tokens.num_tokens - 2, dtype=np.int32)
 
 
 def layout_sample(plan: Sequence[PlanItem], text_ids: Sequence[np.ndarray],
@@ -183,154 +334,46 @@ def layout_sample(plan: Sequence[PlanItem], text_ids: Sequence[np.ndarray],
   at its `split_end` item even when that item is dropped, and a loss latent is
   noised (mse) only when its timestep is finite.
   """
-  texts = iter(text_ids)
-  imgs = iter(images)
-  drops = iter(cfg_drops)
-  steps = iter(timesteps)
-  g = geometry
-  parts = _Parts()
-  split_lens: list[int] = []
-  split_modes: list[int] = []
-  vit_patches, vit_pos, vit_index, vit_img = [], [], [], []
-  vae_images, vae_pos, vae_index = [], [], []
+  texts, imgs, drops, steps = iter(text_ids), iter(images), iter(cfg_drops), iter(timesteps)
+  parts = _SampleParts()
   rope = 0
-  split_len, split_mode = 0, None
-  split_t = -np.inf
-
-  def close_split():
-    nonlocal split_len, split_mode
-    if split_len > 0:
-      split_lens.append(split_len)
-      split_modes.append(split_mode)
-    split_len, split_mode = 0, None
-
+  split_t = -np.inf  # the timestep of the current split's noised images
   for item in plan:
-    if item.split_start:
-      close_split()
-      split_t = -np.inf
-    if item.type == "text":
-      payload = next(texts)
-    elif item.type in ("vit_image", "vae_image"):
-      payload = next(imgs)
-    else:
+    if item.type not in ("text", "vit_image", "vae_image"):
       raise ValueError(f"unknown plan item type {item.type!r}")
-    dropped = bool(next(drops)) if item.enable_cfg == 1 else False
     if item.special_token_loss == 1 and item.special_token_label is None:
       raise ValueError("special_token_loss=1 needs a special_token_label")
-    split_id = len(split_lens) + 1
-    start = parts.length
-
-    if item.type == "text":
-      if not dropped:
-        ids = np.asarray(payload, np.int32).reshape(-1)
-        n = ids.shape[0]
-        toks = np.concatenate([[special.bos], ids, [special.eos]]).astype(np.int32)
-        labels = np.zeros(n + 2, np.int32)
-        weights = np.zeros(n + 2, np.float32)
-        if item.loss == 1:
-          labels[:n + 1] = toks[1:]
-          weights[:n + 1] = np.float32(1.0 / np.sqrt(n + 1.0))
-        if item.special_token_loss == 1:
-          labels[-1], weights[-1] = item.special_token_label, 1.0
-        parts.add(toks, np.full(n + 2, TEXT, np.int8), rope + np.arange(n + 2), split_id,
-                  labels, weights)
-        rope += n + 2
-        split_len += n + 2
-        split_mode = CAUSAL if split_mode is None else split_mode
-
-    elif item.type == "vit_image":
-      if dropped:
-        rope += 1
-      else:
-        image = np.asarray(payload, np.uint8)
-        patches = patchify(image, g.vit_patch_size)
-        v = patches.shape[0]
-        ttype = np.full(v + 2, VIT, np.int8)
-        ttype[[0, -1]] = TEXT
-        labels, weights = _special_label(item, v + 2)
-        parts.add(_marker_run(special.start_of_image, v, special.end_of_image), ttype,
-                  rope, split_id, labels, weights)
-        vit_patches.append(patches)
-        vit_pos.append(positions.flattened_position_ids(
-            image.shape[0], image.shape[1], g.vit_patch_size, g.max_num_patch_per_side,
-            interpolate=g.interpolate_pos))
-        vit_index.append(start + 1 + np.arange(v, dtype=np.int32))
-        vit_img.append(np.full(v, len(vit_patches), np.int32))
-        rope += 1
-        split_len += v + 2
-        split_mode = FULL if split_mode is None else split_mode
-
-    else:  # vae_image
-      if dropped:
-        rope += 1
-      else:
-        image = np.asarray(payload, np.uint8)
-        d = g.vae_downsample
-        t = (image.shape[0] // d) * (image.shape[1] // d)
-        if item.loss == 1:
-          if item.split_start:
-            split_t = next(steps, None)
-            if split_t is None:
-              raise ValueError("fewer timesteps given than the plan draws")
-            split_t = float(split_t)
-          t_value = split_t
-        else:
-          t_value = -np.inf
-        ttype = np.full(t + 2, VAE, np.int8)
-        ttype[[0, -1]] = TEXT
-        tsteps = np.full(t + 2, t_value, np.float32)
-        tsteps[[0, -1]] = 0.0
-        mse = np.zeros(t + 2, bool)
-        mse[1:-1] = item.loss == 1 and np.isfinite(t_value)
-        labels, weights = _special_label(item, t + 2)
-        parts.add(_marker_run(special.start_of_image, t, special.end_of_image), ttype,
-                  rope, split_id, labels, weights, tsteps, mse)
-        vae_images.append(image)
-        vae_pos.append(positions.flattened_position_ids(
-            image.shape[0], image.shape[1], d, g.max_latent_size,
-            interpolate=g.interpolate_pos))
-        vae_index.append(start + 1 + np.arange(t, dtype=np.int32))
-        if item.frame_delta is not None:
-          rope += item.frame_delta
-        elif item.loss == 0:
-          rope += 1
-        split_len += t + 2
-        if split_mode is None:
-          noise = item.loss == 1 and item.frame_delta is None
-          split_mode = NOISE if noise else FULL
-
+    if item.split_start:
+      parts.close_split()
+      split_t = -np.inf
+    payload = next(texts) if item.type == "text" else next(imgs)
+    dropped = bool(next(drops)) if item.enable_cfg == 1 else False
+    if not dropped and item.type == "vae_image" and item.loss == 1 and item.split_start:
+      split_t = _next_timestep(steps)
+    tokens = None if dropped else _item_tokens(item, payload, rope, split_t, geometry, special)
+    if tokens is not None:
+      parts.add(tokens)
+    rope = next_rope(item, rope, tokens)
     if item.split_end:
-      close_split()
-  close_split()
+      parts.close_split()
+  parts.close_split()
   if next(steps, None) is not None:
     raise ValueError("more timesteps given than the plan draws")
-
-  p = g.vit_patch_size
-  return SampleLayout(
-      text_ids=_cat(parts.text_ids, np.int32),
-      token_type=_cat(parts.token_type, np.int8),
-      position_ids=_cat(parts.position_ids, np.int32),
-      split_ids=_cat(parts.split_ids, np.int32),
-      label_ids=_cat(parts.label_ids, np.int32),
-      ce_weights=_cat(parts.ce_weights, np.float32),
-      timesteps=_cat(parts.timesteps, np.float32),
-      mse_mask=_cat(parts.mse_mask, bool),
-      split_lens=np.asarray(split_lens, np.int32),
-      split_modes=np.asarray(split_modes, np.int8),
-      vit_patches=_cat(vit_patches, np.uint8, p * p * 3),
-      vit_position_ids=_cat(vit_pos, np.int32),
-      vit_token_index=_cat(vit_index, np.int32),
-      vit_image_ids=_cat(vit_img, np.int32),
-      vae_images=tuple(vae_images),
-      vae_latent_position_ids=_cat(vae_pos, np.int32),
-      vae_token_index=_cat(vae_index, np.int32),
-  )
+  return parts.layout(3 * geometry.vit_patch_size**2)
 
 
-def _special_label(item: PlanItem, n: int) -> tuple[np.ndarray, np.ndarray]:
-  """Labels/weights of an image run: only its end marker may carry a loss."""
-  labels = np.zeros(n, np.int32)
-  weights = np.zeros(n, np.float32)
-  if item.special_token_loss == 1:
-    labels[-1], weights[-1] = item.special_token_label, 1.0
-  return labels, weights
+def _item_tokens(item: PlanItem, payload: np.ndarray, rope: int, split_t: float,
+                 geometry: Geometry, special: SpecialTokens) -> ItemTokens:
+  if item.type == "text":
+    return text_tokens(payload, item, rope, special)
+  if item.type == "vit_image":
+    return vit_tokens(payload, item, rope, geometry, special)
+  timestep = split_t if item.loss == 1 else -np.inf
+  return vae_tokens(payload, item, rope, timestep, geometry, special)
+
+
+def _next_timestep(steps) -> float:
+  step = next(steps, None)
+  if step is None:
+    raise ValueError("fewer timesteps given than the plan draws")
+  return float(step)

@@ -1,24 +1,14 @@
-"""Fixed-capacity packed rows: capacities, usage accounting and the row builder."""
+"""Fixed-capacity packed rows: capacities, usage accounting, and writing layouts into a row."""
 
 from __future__ import annotations
 
 import dataclasses
+from typing import Sequence
 
 import numpy as np
 
-from bagel_grain.packing.layout import SampleLayout
-
-# A packed row: exactly the fields of DESIGN.md section 5, static shapes.
-PackedRow = dict[str, np.ndarray]
-
-ROW_FIELDS = (
-    "text_ids", "token_type", "position_ids", "segment_ids", "split_ids",
-    "split_lens", "split_modes", "label_ids", "ce_weights", "timesteps", "mse_mask",
-    "vit_patches", "vit_position_ids", "vit_token_index", "vit_image_ids",
-    "vae_images", "vae_image_hw", "vae_latent_position_ids", "vae_token_index",
-    "num_tokens", "num_vit_tokens", "num_vae_tokens", "num_samples",
-)
-
+from bagel_grain.packed_row import ROW_SPEC, PackedRow
+from bagel_grain.packing.layout import SampleLayout, concat
 
 @dataclasses.dataclass(frozen=True)
 class Usage:
@@ -80,6 +70,12 @@ class Capacities:
     """Whether `layout` can join a row that already holds `used`."""
     return not self.overflows(used + Usage.of(layout))
 
+  def dims(self) -> dict[str, int]:
+    """The number behind each shape symbol of `PackedRow`'s fields."""
+    return {"L": self.tokens, "K": self.splits, "V": self.vit_patches,
+            "P": 3 * self.vit_patch_size**2, "T": self.vae_tokens, "I": self.vae_images,
+            "S": self.vae_image_size}
+
   def row_nbytes(self) -> int:
     """Host bytes of one packed row with these capacities."""
     return sum(a.nbytes for a in empty_row(self).values())
@@ -116,45 +112,78 @@ def default_capacities(max_num_tokens: int, vae_max_image_size: int, vae_stride:
 
 
 def empty_row(caps: Capacities, batch: tuple[int, ...] = ()) -> PackedRow:
-  """A row (or `batch` rows) with no samples: zeros, `L` in the token-index sentinels."""
-  L, V, T, I, S, K = (caps.tokens, caps.vit_patches, caps.vae_tokens, caps.vae_images,
-                      caps.vae_image_size, caps.splits)
-  p = caps.vit_patch_size
-  return {
-      "text_ids": np.zeros((*batch, L), np.int32),
-      "token_type": np.zeros((*batch, L), np.int8),
-      "position_ids": np.zeros((*batch, L), np.int32),
-      "segment_ids": np.zeros((*batch, L), np.int32),
-      "split_ids": np.zeros((*batch, L), np.int32),
-      "split_lens": np.zeros((*batch, K), np.int32),
-      "split_modes": np.zeros((*batch, K), np.int8),
-      "label_ids": np.zeros((*batch, L), np.int32),
-      "ce_weights": np.zeros((*batch, L), np.float32),
-      "timesteps": np.zeros((*batch, L), np.float32),
-      "mse_mask": np.zeros((*batch, L), bool),
-      "vit_patches": np.zeros((*batch, V, p * p * 3), np.uint8),
-      "vit_position_ids": np.zeros((*batch, V), np.int32),
-      "vit_token_index": np.full((*batch, V), L, np.int32),
-      "vit_image_ids": np.zeros((*batch, V), np.int32),
-      "vae_images": np.zeros((*batch, I, S, S, 3), np.uint8),
-      "vae_image_hw": np.zeros((*batch, I, 2), np.int32),
-      "vae_latent_position_ids": np.zeros((*batch, T), np.int32),
-      "vae_token_index": np.full((*batch, T), L, np.int32),
-      "num_tokens": np.zeros(batch, np.int32),
-      "num_vit_tokens": np.zeros(batch, np.int32),
-      "num_vae_tokens": np.zeros(batch, np.int32),
-      "num_samples": np.zeros(batch, np.int32),
-  }
+  """A row (or `batch` rows) with no samples: every slot holds its field's fill value."""
+  dims = caps.dims()
+  row = {}
+  for name, field in ROW_SPEC.items():
+    shape, fill = (*batch, *field.shape_for(dims)), field.fill_for(dims)
+    # zeros: the pages of a large empty batch are only touched where written
+    row[name] = np.zeros(shape, field.dtype) if fill == 0 else np.full(shape, fill, field.dtype)
+  return row
 
 
-def _cat(arrays, dtype, shape_tail=()):
-  if not arrays:
-    return np.zeros((0, *shape_tail), dtype)
-  return np.concatenate(arrays).astype(dtype, copy=False)
+# Row fields that are a concatenation of the samples' layout fields of the same name,
+# their values shifted by the count of what the earlier samples hold.
+_SHIFTED_BY = {"split_ids": "splits", "vit_token_index": "tokens",
+               "vit_image_ids": "vit_images", "vae_token_index": "tokens"}
+# Written by their own functions: pixels go straight into their slots.
+_OWN_WRITERS = ("vit_patches", "vae_images")
+_CONCATENATED = tuple(name for name in ROW_SPEC if name not in _OWN_WRITERS
+                      and name in SampleLayout.__dataclass_fields__)
+
+
+def write_row(row: PackedRow, layouts: Sequence[SampleLayout]) -> PackedRow:
+  """Writes the samples' layouts, in order, into an empty `row` (or a view of a batch row).
+
+  Each concatenated field is one concatenation and one slice assignment.
+  """
+  used = {"L": sum(x.num_tokens for x in layouts), "K": sum(x.num_splits for x in layouts),
+          "V": sum(x.num_vit_tokens for x in layouts),
+          "T": sum(x.num_vae_tokens for x in layouts)}
+  shifts = _shifts(layouts)
+  for name in _CONCATENATED:
+    parts = [getattr(x, name) for x in layouts]
+    if name in _SHIFTED_BY:
+      parts = [p + s for p, s in zip(parts, shifts[_SHIFTED_BY[name]])]
+    array = row[name]
+    array[:used[ROW_SPEC[name].symbols[0]]] = concat(parts, array.dtype)
+  lens = [x.num_tokens for x in layouts]
+  row["segment_ids"][:used["L"]] = np.repeat(np.arange(1, len(layouts) + 1, dtype=np.int32), lens)
+  _write_vit_patches(row, layouts)
+  _write_vae_images(row, layouts)
+  row["num_tokens"][...] = used["L"]
+  row["num_vit_tokens"][...] = used["V"]
+  row["num_vae_tokens"][...] = used["T"]
+  row["num_samples"][...] = len(layouts)
+  return row
+
+
+def _shifts(layouts: Sequence[SampleLayout]) -> dict[str, np.ndarray]:
+  """Per sample: tokens, splits and ViT images of the samples before it."""
+  def before(counts):
+    return np.cumsum([0] + counts[:-1]).astype(np.int32)
+  return {"tokens": before([x.num_tokens for x in layouts]),
+          "splits": before([x.num_splits for x in layouts]),
+          "vit_images": before([int(x.vit_image_ids.max(initial=0)) for x in layouts])}
+
+
+def _write_vit_patches(row: PackedRow, layouts: Sequence[SampleLayout]) -> None:
+  start = 0
+  for x in layouts:  # straight into the slots: the largest field, copied once
+    row["vit_patches"][start:start + len(x.vit_patches)] = x.vit_patches
+    start += len(x.vit_patches)
+
+
+def _write_vae_images(row: PackedRow, layouts: Sequence[SampleLayout]) -> None:
+  images = [im for x in layouts for im in x.vae_images]
+  for i, im in enumerate(images):
+    row["vae_images"][i, :im.shape[0], :im.shape[1]] = im
+  if images:
+    row["vae_image_hw"][:len(images)] = [im.shape[:2] for im in images]
 
 
 class RowBuilder:
-  """Accumulates sample layouts for one row and writes them into static arrays.
+  """Accumulates sample layouts for one row, checking the capacities, and writes them.
 
   It only enforces capacities; which samples go in (token budgets, buffering)
   is the packer's decision.
@@ -181,10 +210,6 @@ class RowBuilder:
   def num_samples(self) -> int:
     return len(self._layouts)
 
-  @property
-  def layouts(self) -> tuple[SampleLayout, ...]:
-    return tuple(self._layouts)
-
   def overflows(self, layout: SampleLayout) -> tuple[str, ...]:
     """Capacities that adding `layout` would exceed (empty when it fits)."""
     return self.capacities.overflows(self._usage + Usage.of(layout))
@@ -200,57 +225,13 @@ class RowBuilder:
     self._usage = self._usage + Usage.of(layout)
 
   def build(self, out: PackedRow | None = None, b: int = 0) -> PackedRow:
-    """The row's arrays: each field is one concatenation and one slice assignment.
+    """The row's arrays; with `out` (an empty batch from `empty_row(caps, (B,))`) written
+    in place as row `b`: pixels are copied once, straight into the batch."""
+    return write_row(empty_row(self.capacities) if out is None else batch_row(out, b),
+                     self._layouts)
 
-    With `out` (an empty batch from `empty_row(caps, (B,))`) the row is written in
-    place as row `b`: pixels are copied once, straight into the batch.
-    """
-    caps = self.capacities
-    if out is None:
-      row = empty_row(caps)
-    else:  # views of row b; a (1,)-slice reshaped keeps even the counts writable
-      row = {name: array[b:b + 1].reshape(array.shape[1:]) for name, array in out.items()}
-    lays = self._layouts
-    u = self._usage
-    n, v, t, k = u.tokens, u.vit_patches, u.vae_tokens, u.splits
-    lens = [x.num_tokens for x in lays]
-    tok_off = np.cumsum([0] + lens[:-1]).astype(np.int32)
-    split_off = np.cumsum([0] + [x.num_splits for x in lays[:-1]]).astype(np.int32)
-    vit_img_off = np.cumsum(
-        [0] + [int(x.vit_image_ids.max(initial=0)) for x in lays[:-1]]).astype(np.int32)
 
-    for name, dtype in (("text_ids", np.int32), ("token_type", np.int8),
-                        ("position_ids", np.int32), ("label_ids", np.int32),
-                        ("ce_weights", np.float32), ("timesteps", np.float32),
-                        ("mse_mask", bool)):
-      row[name][:n] = _cat([getattr(x, name) for x in lays], dtype)
-    row["segment_ids"][:n] = np.repeat(np.arange(1, len(lays) + 1, dtype=np.int32), lens)
-    row["split_ids"][:n] = _cat([x.split_ids + o for x, o in zip(lays, split_off)], np.int32)
-    row["split_lens"][:k] = _cat([x.split_lens for x in lays], np.int32)
-    row["split_modes"][:k] = _cat([x.split_modes for x in lays], np.int8)
-
-    start = 0
-    for x in lays:  # straight into the slots: the largest field, copied once
-      row["vit_patches"][start:start + len(x.vit_patches)] = x.vit_patches
-      start += len(x.vit_patches)
-    row["vit_position_ids"][:v] = _cat([x.vit_position_ids for x in lays], np.int32)
-    row["vit_token_index"][:v] = _cat(
-        [x.vit_token_index + o for x, o in zip(lays, tok_off)], np.int32)
-    row["vit_image_ids"][:v] = _cat(
-        [x.vit_image_ids + o for x, o in zip(lays, vit_img_off)], np.int32)
-
-    images = [im for x in lays for im in x.vae_images]
-    for i, im in enumerate(images):
-      row["vae_images"][i, :im.shape[0], :im.shape[1]] = im
-    if images:
-      row["vae_image_hw"][:len(images)] = [im.shape[:2] for im in images]
-    row["vae_latent_position_ids"][:t] = _cat(
-        [x.vae_latent_position_ids for x in lays], np.int32)
-    row["vae_token_index"][:t] = _cat(
-        [x.vae_token_index + o for x, o in zip(lays, tok_off)], np.int32)
-
-    row["num_tokens"][...] = n
-    row["num_vit_tokens"][...] = v
-    row["num_vae_tokens"][...] = t
-    row["num_samples"][...] = len(lays)
-    return row
+def batch_row(batch: PackedRow, b: int) -> PackedRow:
+  """Writable views of row `b` of a batch (a (1,)-slice reshaped keeps even the counts
+  writable)."""
+  return {name: array[b:b + 1].reshape(array.shape[1:]) for name, array in batch.items()}
