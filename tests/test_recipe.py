@@ -88,10 +88,13 @@ def test_trainer_sections_are_logged_once_as_ignored(recipe, tmp_path, caplog):
   assert [r.levelno for r in caplog.records] == [logging.WARNING]
 
 
-def test_a_plain_config_logs_nothing(demo_dir, caplog):
+def test_a_plain_config_logs_nothing(demo_dir, tmp_path, caplog):
+  raw = yaml.safe_load((Path(__file__).resolve().parents[1] / "configs" / "demo.yaml").read_text())
+  raw["dataset_info"] = str(demo_dir / "dataset_info.yaml")  # a clone has no .demo_data/
+  raw["tokenizer_path"] = str(demo_dir / "tokenizer")
+  (tmp_path / "demo.yaml").write_text(yaml.safe_dump(raw))
   with caplog.at_level(logging.INFO, logger="bagel_grain"):
-    load_config(Path(__file__).resolve().parents[1] / "configs" / "demo.yaml",
-                tokenizer_path=str(demo_dir / "tokenizer"))
+    load_config(tmp_path / "demo.yaml", tokenizer_path=str(demo_dir / "tokenizer"))
   assert not [r for r in caplog.records if r.name == "bagel_grain.recipe"]
 
 
