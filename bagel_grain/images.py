@@ -1,4 +1,4 @@
-"""Image decoding, mode handling and BAGEL's resize rule (DESIGN.md sections 3 and 7)."""
+"""Image decoding, mode handling and BAGEL's resize rule (docs/design.md, sections 3 and 8)."""
 
 from __future__ import annotations
 

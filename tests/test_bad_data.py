@@ -1,6 +1,6 @@
 """Bad records mixed into good data: skipped, counted by reason, never read outside data_dir.
 
-The corpus is written here (DESIGN.md section 7): demo rows and images plus, for each
+The corpus is written here (docs/design.md, section 8): demo rows and images plus, for each
 kind of bad input, records that carry it. One epoch of the pipeline must pack
 every good record once, count every bad one under its reason, and keep the
 counters balanced after every batch.

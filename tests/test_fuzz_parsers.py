@@ -3,7 +3,7 @@
 Each family's `random_map` is fed arbitrary JSON-like field values (what a parquet
 row or a converted record can hold) or arbitrary JSONL bytes; the only allowed
 outcomes are a `Dropped` with a known reason or a `Sample` meeting the sample
-contract (DESIGN.md section 3). Any other exception is a parser bug: in a worker
+contract (docs/design.md, section 3). Any other exception is a parser bug: in a worker
 it would kill the stream instead of being counted.
 """
 

@@ -241,7 +241,7 @@ def test_resize_size_is_stride_aligned(w, h, t, img_num):
   out_w, out_h = resize_size(w, h, t, img_num)
   for v in (out_w, out_h):
     assert v >= t.image_stride and v % t.image_stride == 0
-  # The long edge overshoots max_image_size by less than a stride (DESIGN.md section 5).
+  # The long edge overshoots max_image_size by less than a stride (docs/packed_row.md, symbol S).
   assert max(out_w, out_h) < t.max_image_size + t.image_stride
 
 

@@ -1,6 +1,6 @@
 """Attention masks of packed rows on the device: dense reference, per-key intervals, block map.
 
-The rule (DESIGN.md section 5): query q may see key k iff same sample (segment > 0)
+The rule (docs/packed_row.md, "Attention"): query q may see key k iff same sample (segment > 0)
 and (k <= q or same split and the split is full/noise) and not (k is noise and
 k's split is not q's split).
 

@@ -1,6 +1,6 @@
 """The host/device boundary: process-local batches -> global sharded `jax.Array`s, prefetched.
 
-Each JAX process packs its own `[B_local, ...]` rows (DESIGN.md section 6);
+Each JAX process packs its own `[B_local, ...]` rows (docs/design.md, section 7);
 `jax.make_array_from_process_local_data` joins them into `[B_local * processes,
 ...]` arrays sharded over the mesh's data axes. `sample_keys` stay on the host.
 `DevicePrefetchIterator` does this a few batches ahead in a thread and keeps the

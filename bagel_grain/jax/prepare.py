@@ -50,7 +50,7 @@ def _normalize_both(vit_patches, vit_token_index, vae_images, vae_image_hw, seq_
 
 
 def prepare_pixels(batch: dict[str, Any], dtype=jnp.float32) -> dict[str, Any]:
-  """The batch with `vit_patches` and `vae_images` normalised (DESIGN.md section 5).
+  """The batch with `vit_patches` and `vae_images` normalised (docs/packed_row.md, "Pixels").
 
   The other fields pass through untouched. Jitted on its own; inside a jitted
   step it is simply traced along.

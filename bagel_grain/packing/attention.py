@@ -20,7 +20,7 @@ def mode_codes(modes: Sequence[int | str] | np.ndarray) -> np.ndarray:
 
 
 def _rule(q_seg, k_seg, q_split, k_split, k_mode, k_pos_le_q):
-  """DESIGN.md section 5: same sample and (causal or own full/noise split), and
+  """docs/packed_row.md, "Attention": same sample and (causal or own full/noise split), and
   never a noise split's keys from outside that split."""
   same_split = q_split == k_split
   open_split = (k_mode == SplitMode.FULL) | (k_mode == SplitMode.NOISE)

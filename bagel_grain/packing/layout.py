@@ -323,7 +323,7 @@ def layout_sample(plan: Sequence[PlanItem], text_ids: Sequence[np.ndarray],
                   images: Sequence[np.ndarray], *, cfg_drops: Sequence[bool],
                   timesteps: Sequence[float], geometry: Geometry,
                   special: SpecialTokens) -> SampleLayout:
-  """Lays out one sample as upstream's `pack_sequence` would (DESIGN.md section 4).
+  """Lays out one sample as upstream's `pack_sequence` would (docs/design.md, section 5).
 
   Pure: every random choice comes in `cfg_drops` (one per `enable_cfg=1` item, in
   plan order) and `timesteps` (in draw order; see `draw_sample_choices`). Text ids

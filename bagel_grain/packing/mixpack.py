@@ -1,6 +1,6 @@
 """BAGEL's weighted mix and greedy buffer packing as a checkpointable Grain IterDataset.
 
-Per row (DESIGN.md section 4): carried samples first, then one sample of each
+Per row (docs/design.md, section 5): carried samples first, then one sample of each
 mandatory group, then buffered samples while the row is short of
 `prefer_buffer_before`, else weighted draws. Unlike upstream, no sample is ever
 lost (a sample that cannot be buffered is carried to the next row), a row never

@@ -1,4 +1,4 @@
-"""2-D position ids of image patches, extrapolated or interpolated (DESIGN.md section 3)."""
+"""2-D position ids of image patches, extrapolated or interpolated (docs/design.md, section 3)."""
 
 from __future__ import annotations
 
