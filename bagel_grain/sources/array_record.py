@@ -20,6 +20,7 @@ from bagel_grain import fs
 from bagel_grain.drops import Drop, DropReason
 from bagel_grain.errors import DatasetError
 from bagel_grain.sources import framing
+from bagel_grain.sources.base import PartOffsets
 
 SUFFIX = ".array_record"
 
@@ -73,28 +74,22 @@ class ArrayRecordSource:
       raise DatasetError("no ArrayRecord files given", field="array_record_path")
     with concurrent.futures.ThreadPoolExecutor(min(16, len(self._paths))) as pool:
       counts = list(pool.map(_num_records, self._paths))
-    self._offsets = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
+    self._offsets = PartOffsets(counts)
     self._data = grain.sources.ArrayRecordDataSource(
         [_FileInstruction(p, 0, n, n) for p, n in zip(self._paths, counts)])
 
   def __len__(self) -> int:
-    return int(self._offsets[-1])
+    return len(self._offsets)
 
   def block_sizes(self) -> np.ndarray:
     return np.ones(len(self), np.int64)  # every record is its own block
 
-  def _locate(self, index: int) -> tuple[int, int]:
-    if not 0 <= index < len(self):
-      raise IndexError(index)
-    file = int(np.searchsorted(self._offsets, index, side="right")) - 1
-    return file, index - int(self._offsets[file])
-
   def record_id(self, index: int) -> str:
-    file, position = self._locate(index)
+    file, position = self._offsets.locate(index)
     return f"{self._paths[file]}:{position}"
 
   def __getitem__(self, index: int) -> Any:
-    self._locate(index)  # IndexError outside the source
+    self._offsets.locate(index)  # IndexError outside the source
     try:
       data = self._data[index]
     except (RuntimeError, ValueError) as e:  # the reader's error for a damaged chunk

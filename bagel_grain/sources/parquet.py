@@ -13,6 +13,7 @@ import pyarrow.parquet as pq
 
 from bagel_grain import fs
 from bagel_grain.errors import DatasetError
+from bagel_grain.sources.base import PartOffsets
 
 _CACHED_ROW_GROUPS = 4  # per process; rows are read in row-group-blocked order
 
@@ -56,7 +57,7 @@ class ParquetRowSource:
           sizes.append(n)
     self._block_file = np.asarray(block_file, np.int64)
     self._block_rg = np.asarray(block_rg, np.int64)
-    self._block_start = np.concatenate([[0], np.cumsum(sizes, dtype=np.int64)])
+    self._blocks = PartOffsets(sizes)
     # Row number of each block's first row within its file, for record ids.
     file_row = np.zeros(len(sizes), np.int64)
     for b in range(1, len(sizes)):
@@ -80,19 +81,13 @@ class ParquetRowSource:
     self._lock = threading.Lock()
 
   def __len__(self) -> int:
-    return int(self._block_start[-1])
+    return len(self._blocks)
 
   def block_sizes(self) -> np.ndarray:
-    return np.diff(self._block_start)
-
-  def _locate(self, index: int) -> tuple[int, int]:
-    if not 0 <= index < len(self):
-      raise IndexError(index)
-    block = int(np.searchsorted(self._block_start, index, side="right")) - 1
-    return block, index - int(self._block_start[block])
+    return self._blocks.sizes
 
   def record_id(self, index: int) -> str:
-    block, row = self._locate(index)
+    block, row = self._blocks.locate(index)
     return f"{self._files[self._block_file[block]]}#{int(self._block_file_row[block]) + row}"
 
   def _row_group(self, block: int) -> dict[str, list]:
@@ -113,7 +108,7 @@ class ParquetRowSource:
     return columns
 
   def __getitem__(self, index: int) -> dict[str, Any]:
-    block, row = self._locate(index)
+    block, row = self._blocks.locate(index)
     columns = self._row_group(block)
     fields = {name: values[row] for name, values in columns.items()}
     self.bytes_served += sum(_nbytes(v) for v in fields.values())

@@ -19,6 +19,7 @@ import pyarrow as pa
 
 from bagel_grain.drops import Drop, Dropped, DropReason
 from bagel_grain.errors import DatasetError
+from bagel_grain.sources.base import PartOffsets, RecordSource
 
 
 @dataclasses.dataclass(frozen=True)
@@ -34,25 +35,25 @@ class Record:
 
 
 class ConcatSource:
-  """Several datasets of one group, one after another; records know their dataset."""
+  """Several datasets of one group, one after another; records know their dataset.
 
-  def __init__(self, sources: Sequence):
+  A `RecordSource` itself, plus `locate`: which dataset an index falls in.
+  """
+
+  def __init__(self, sources: Sequence[RecordSource]):
     self._sources = list(sources)
-    self._offsets = np.concatenate([[0], np.cumsum([len(s) for s in sources])]).astype(np.int64)
+    self._offsets = PartOffsets([len(s) for s in self._sources])
 
   @property
-  def sources(self) -> tuple:
+  def sources(self) -> tuple[RecordSource, ...]:
     return tuple(self._sources)
 
   def __len__(self) -> int:
-    return int(self._offsets[-1])
+    return len(self._offsets)
 
   def locate(self, index: int) -> tuple[int, int]:
     """(dataset number, index within that dataset)."""
-    if not 0 <= index < len(self):
-      raise IndexError(index)
-    d = int(np.searchsorted(self._offsets, index, side="right")) - 1
-    return d, index - int(self._offsets[d])
+    return self._offsets.locate(index)
 
   def block_sizes(self) -> np.ndarray:
     return np.concatenate([s.block_sizes() for s in self._sources]).astype(np.int64)

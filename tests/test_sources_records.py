@@ -1,0 +1,128 @@
+"""A group's records: epoch-wise blocked shuffle, datasets end to end, process shards."""
+
+import os
+from pathlib import Path
+
+import pytest
+
+from bagel_grain.errors import DatasetError
+from bagel_grain.sources.jsonl import JsonlLineSource
+from bagel_grain.sources.parquet import ParquetRowSource
+from bagel_grain.sources.records import ConcatSource, ShuffledRecords, shard_blocks
+from parquet_files import ALL_IDS, NON_EMPTY_ROW_GROUPS, two_files, write_parquet
+
+
+@pytest.fixture
+def files(tmp_path):
+  return two_files(tmp_path)
+
+
+def _epoch(records, epoch):
+  n = records.records_per_epoch
+  return [records[i] for i in range(epoch * n, (epoch + 1) * n)]
+
+
+def test_shuffled_epoch_is_blocked_by_row_group_and_visits_each_row_once(files):
+  source = ParquetRowSource(list(files), ["id"])
+  records = ShuffledRecords(ConcatSource([source]), seed=3)
+  assert records.records_per_epoch == 16
+  first = _epoch(records, 0)
+  assert source.row_group_reads == NON_EMPTY_ROW_GROUPS  # more row groups than the cache holds
+  ids = [r.fields["id"] for r in first]
+  assert sorted(ids) == sorted(ALL_IDS)
+  assert [r.index for r in first] == list(range(16)) and {r.epoch for r in first} == {0}
+  # Each row group is one contiguous run of the epoch.
+  groups = [(r.record_id.split("#")[0], _row_group_of(r.fields["id"])) for r in first]
+  runs = [g for i, g in enumerate(groups) if i == 0 or groups[i - 1] != g]
+  assert len(runs) == len(set(runs)) == NON_EMPTY_ROW_GROUPS
+
+  second = _epoch(records, 1)
+  assert {r.epoch for r in second} == {1}
+  assert sorted(r.fields["id"] for r in second) == sorted(ALL_IDS)
+  assert [r.fields["id"] for r in second] != ids
+
+
+def _row_group_of(row_id):
+  name, row = row_id.split(":")
+  return (int(row) // 3) if name == "a" else (0 if int(row) < 4 else 2)
+
+
+def test_order_is_a_function_of_the_seed(files):
+  def order(seed):
+    records = ShuffledRecords(ConcatSource([ParquetRowSource(list(files), ["id"])]), seed=seed)
+    return [r.fields["id"] for r in _epoch(records, 0)]
+  assert order(5) == order(5)
+  assert order(5) != order(6)
+
+
+def test_finite_epochs(files):
+  records = ShuffledRecords(ConcatSource([ParquetRowSource(list(files), ["id"])]), seed=0,
+                            num_epochs=2)
+  assert len(records) == 32
+  with pytest.raises(IndexError):
+    records[32]
+
+
+def test_concat_records_know_their_dataset(files):
+  a, b = files
+  records = ShuffledRecords(ConcatSource([ParquetRowSource([a], ["id"]),
+                                          ParquetRowSource([b], ["id"])]), seed=1)
+  for r in _epoch(records, 0):
+    assert r.dataset == (0 if r.fields["id"].startswith("a") else 1)
+
+
+@pytest.mark.parametrize("damage", ["delete", "garbage", "truncate"])
+def test_file_damaged_mid_run_becomes_an_error_record(files, damage):
+  a, b = files
+  records = ShuffledRecords(ConcatSource([ParquetRowSource([a, b], ["id"])]), seed=0)
+  if damage == "delete":
+    os.remove(b)
+  elif damage == "garbage":
+    Path(b).write_bytes(b"this is not parquet" * 10)
+  else:
+    data = Path(b).read_bytes()
+    Path(b).write_bytes(data[: len(data) // 2])
+  results = _epoch(records, 0)  # no exception
+  bad = [r for r in results if r.record_id.startswith(b + "#")]
+  good = [r for r in results if r.record_id.startswith(a + "#")]
+  assert len(bad) == 6 and len(good) == 10
+  assert all(r.fields is None and r.error.reason == "unreadable_file" for r in bad)
+  assert all(r.error is None for r in good)
+
+
+# --- sharding by process -----------------------------------------------------------------
+
+
+def test_process_shards_are_disjoint_and_cover_every_record(tmp_path):
+  path = tmp_path / "rows.jsonl"
+  path.write_text("".join(f"line {i}\n" for i in range(11)))
+  seen = []
+  for process in range(3):
+    records = ShuffledRecords(ConcatSource([JsonlLineSource(str(path))]), seed=9,
+                              process_index=process, process_count=3)
+    seen.append({r.fields for r in _epoch(records, 0)})
+    assert len(seen[-1]) == records.records_per_epoch >= 3
+  assert set.union(*seen) == {f"line {i}".encode() for i in range(11)}
+  assert sum(len(s) for s in seen) == 11
+
+
+def test_fewer_row_groups_than_processes_splits_rows(tmp_path):
+  path = write_parquet(tmp_path / "small.parquet", [["r0", "r1", "r2"], ["r3", "r4", "r5"]])
+  seen = []
+  for process in range(4):
+    records = ShuffledRecords(ConcatSource([ParquetRowSource([path], ["id"])]), seed=0,
+                              process_index=process, process_count=4)
+    seen.append([r.fields["id"] for r in _epoch(records, 0)])
+  assert all(len(ids) >= 1 for ids in seen)
+  assert sorted(sum(seen, [])) == ["r0", "r1", "r2", "r3", "r4", "r5"]
+
+
+def test_shard_blocks_needs_a_record_per_process():
+  # One block of two rows, two processes: the rows are split, one each.
+  starts, sizes = shard_blocks([2], 1, 2)
+  assert starts.tolist() == [1] and sizes.tolist() == [1]
+  # Three blocks of 4, 1, 2 rows: contiguous shares.
+  starts, sizes = shard_blocks([4, 1, 2], 0, 2)
+  assert starts.tolist() == [0, 4] and sizes.tolist() == [4, 1]
+  with pytest.raises(DatasetError):
+    shard_blocks([2], 0, 3)
