@@ -18,15 +18,10 @@ import yaml
 
 from bagel_grain import fs, recipe
 from bagel_grain.errors import ConfigError
+from bagel_grain.families.video import FrameSamplerArgs
 from bagel_grain.images import DEFAULT_MAX_PIXELS, ImageTransform
 
 FAMILIES = ("t2i_pretrain", "unified_edit", "vlm_sft")
-
-
-@dataclasses.dataclass(frozen=True)
-class FrameSamplerArgs:
-  max_num_frames: int = 12
-  min_num_frames: int = 8
 
 
 @dataclasses.dataclass(frozen=True)

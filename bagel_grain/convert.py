@@ -10,16 +10,16 @@ JSONL lines cut) and `shuffle_lines` are applied here, in the source's order, an
 not again when reading. Each record is framed without pickle (`sources/framing.py`):
 parquet rows keep their columns, images as their original encoded bytes; a JSONL
 line is kept verbatim, with the image files it references (every frame of a video
-folder, the file of a video) embedded under the relative path the line spells. A
-file that is missing is left out, and a path `inside` refuses is recorded with its
-reason, so each record drops for the same reason as when read from disk.
+folder, the file of a video) embedded under the relative path the line spells, read
+through the same `DiskFiles` the VLM family reads from disk: a file that is missing is
+left out and each refusal is recorded with its reason, so each record drops for the
+same reason as when read from disk.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
-import json
 import os
 import re
 from typing import Any, Callable
@@ -31,14 +31,10 @@ from array_record.python import array_record_module
 from bagel_grain import fs
 from bagel_grain.config import DatasetSpec, GroupConfig, PipelineConfig, load_config
 from bagel_grain.errors import DatasetError
-from bagel_grain.families import video
-from bagel_grain.drops import Drop, DropReason
-from bagel_grain.families.base import is_text
-from bagel_grain.families.vlm import inside
+from bagel_grain.families.vlm import embed_files
 from bagel_grain.pipeline import dataset_source
 from bagel_grain.sources import framing
 from bagel_grain.sources.array_record import SUFFIX
-from bagel_grain.sources.framing import LineWithFiles
 
 DEFAULT_RECORDS_PER_SHARD = 4096
 # One record per chunk: random access reads exactly one record. Images are already
@@ -62,76 +58,6 @@ class Conversion:
   dataset_info: str
   config: str | None
   datasets: tuple[ConvertedDataset, ...]
-
-
-# --- one record ---------------------------------------------------------------------
-
-
-def _locate(relative: Any, data_dir: str, errors: dict[str, str]) -> str | None:
-  """The file `relative` names, as the VLM family resolves it; None if it refuses."""
-  if not is_text(relative) or relative in errors:  # the family drops it as wrong_type
-    return None
-  try:
-    return inside(data_dir, relative)
-  except Drop as e:
-    errors[relative] = e.reason
-    return None
-
-
-def _embed_image(relative: Any, data_dir: str, files: dict, errors: dict) -> None:
-  if isinstance(relative, str) and relative in files:
-    return
-  path = _locate(relative, data_dir, errors)
-  if path is None:
-    return
-  try:
-    files[relative] = fs.read_bytes(path)
-  except OSError:
-    pass  # absent: `missing_file` when (and only when) the family opens it
-
-
-def _embed_video(relative: Any, data_dir: str, files: dict, errors: dict) -> None:
-  path = _locate(relative, data_dir, errors)
-  if path is None:
-    return
-  if path.endswith(os.sep) or path.endswith("/"):
-    try:
-      frames = video.frame_folder(path)
-    except Drop as e:
-      if e.reason != DropReason.VIDEO_UNREADABLE:  # no frames: the family finds that out itself
-        errors[relative] = e.reason  # a missing folder, a frame linking out
-      return
-    for frame in frames:
-      name = relative + os.path.basename(frame)
-      try:
-        files[name] = fs.read_bytes(frame)
-      except OSError:
-        errors[name] = DropReason.MISSING_FILE  # still a frame: it counts for the sampling
-    return
-  try:
-    files[relative] = fs.read_bytes(path)
-  except FileNotFoundError:
-    pass
-  except OSError:
-    errors[relative] = DropReason.VIDEO_UNREADABLE
-
-
-def embed_line_files(line: bytes, data_dir: str) -> LineWithFiles:
-  """A VLM line with the files it references, found as `families/vlm.py` finds them."""
-  files: dict[str, bytes] = {}
-  errors: dict[str, str] = {}
-  try:
-    row = json.loads(line)
-  except (ValueError, UnicodeDecodeError, RecursionError):
-    row = None  # dropped as `bad_json` when read
-  if isinstance(row, dict):
-    if "image" in row:
-      listed = row["image"] if isinstance(row["image"], list) else [row["image"]]
-      for relative in listed:
-        _embed_image(relative, data_dir, files, errors)
-    elif "video" in row:
-      _embed_video(row["video"], data_dir, files, errors)
-  return LineWithFiles(line, files, errors)
 
 
 # --- one dataset --------------------------------------------------------------------
@@ -161,7 +87,7 @@ def _framed_records(group: GroupConfig, dataset: DatasetSpec, source, start: int
       raise DatasetError(f"cannot read record {source.record_id(index)}: {e}",
                          file=dataset.jsonl_path or dataset.data_dir) from None
     if group.family == "vlm_sft":
-      fields = embed_line_files(fields, dataset.data_dir)
+      fields = embed_files(fields, dataset.data_dir)
     try:
       return framing.encode(fields, origin=source.record_id(index))
     except TypeError as e:

@@ -11,12 +11,13 @@ import yaml
 from array_record.python import array_record_module
 
 from bagel_grain import fs
-from bagel_grain.config import FrameSamplerArgs, config_from_dict, load_config
-from bagel_grain.convert import convert_config, convert_config_file, embed_line_files
+from bagel_grain.config import config_from_dict, load_config
+from bagel_grain.convert import convert_config, convert_config_file
 from bagel_grain.errors import DatasetError
 from bagel_grain.families.edit import EditTransform
 from bagel_grain.families.t2i import T2ITransform
-from bagel_grain.families.vlm import VLMTransform
+from bagel_grain.families.video import FrameSamplerArgs
+from bagel_grain.families.vlm import VLMTransform, embed_files
 from bagel_grain.images import ImageTransform
 from bagel_grain.pipeline import build_pipeline, dataset_source, pipeline_stats
 from bagel_grain.drops import Dropped
@@ -314,7 +315,7 @@ def chat(first="<image>\nWhat is it?"):
 def test_embedded_files_give_the_disk_verdict(vlm_data, row, reason):
   data, transform = vlm_data
   line = (row if isinstance(row, str) else json.dumps(row)).encode()
-  _, record = framing.decode(framing.encode(embed_line_files(line, str(data))))
+  _, record = framing.decode(framing.encode(embed_files(line, str(data))))
   for seed in range(4):
     a = transform.random_map(Record(0, 0, "disk", 0, line), np.random.default_rng(seed))
     b = transform.random_map(Record(0, 0, "ar", 0, record), np.random.default_rng(seed))
@@ -325,7 +326,7 @@ def test_embedded_files_give_the_disk_verdict(vlm_data, row, reason):
 def test_embedded_video_folder_holds_its_frames_only(vlm_data):
   data, _ = vlm_data
   line = json.dumps({"video": "clip/", "conversations": chat("<video>")}).encode()
-  record = embed_line_files(line, str(data))
+  record = embed_files(line, str(data))
   assert sorted(record.files) == sorted(f"clip/frame_{n}.jpg" for n in range(1, 11))
   assert record.file_errors == {}
 
@@ -333,7 +334,7 @@ def test_embedded_video_folder_holds_its_frames_only(vlm_data):
 def test_missing_frame_folder_is_a_missing_file(vlm_data):
   data, transform = vlm_data
   line = json.dumps({"video": "gone/", "conversations": chat("<video>")}).encode()
-  record = embed_line_files(line, str(data))
+  record = embed_files(line, str(data))
   assert record.file_errors == {"gone/": "missing_file"}
   out = transform.random_map(Record(0, 0, "ar", 0, record), np.random.default_rng(0))
   assert out.reason == "missing_file"
@@ -342,7 +343,7 @@ def test_missing_frame_folder_is_a_missing_file(vlm_data):
 def test_a_path_with_a_lone_surrogate_converts_and_drops_as_on_disk(vlm_data):
   data, transform = vlm_data
   line = json.dumps({"image": "a\udc00.png", "conversations": chat()}).encode()
-  record = embed_line_files(line, str(data))
+  record = embed_files(line, str(data))
   framing.encode(record)  # no UnicodeEncodeError
   out = transform.random_map(Record(0, 0, "ar", 0, record), np.random.default_rng(0))
   assert isinstance(out, Dropped) and out.reason == "wrong_type"

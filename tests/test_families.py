@@ -430,10 +430,10 @@ def test_too_short_intervals_fall_back_to_a_sorted_permutation():
 
 
 def test_video_folder_missing_or_with_a_frame_linking_out_is_dropped(tmp_path):
-  from bagel_grain.families import video
-  from bagel_grain.families.base import Drop
+  from bagel_grain.families.files import DiskFiles
+  disk = DiskFiles(str(tmp_path))
   with pytest.raises(Drop) as missing:
-    video.frame_folder(str(tmp_path / "gone") + "/")
+    disk.list_frames(str(tmp_path / "gone") + "/")
   assert missing.value.reason == "missing_file"
   clip = tmp_path / "clip"
   clip.mkdir()
@@ -442,5 +442,5 @@ def test_video_folder_missing_or_with_a_frame_linking_out_is_dropped(tmp_path):
   (clip / "frame_1.jpg").write_bytes(b"x")
   (clip / "frame_2.jpg").symlink_to(outside)
   with pytest.raises(Drop) as escaped:
-    video.frame_folder(str(clip) + "/")
+    disk.list_frames(str(clip) + "/")
   assert escaped.value.reason == "path_outside_data_dir"

@@ -1,17 +1,23 @@
-"""Video frames for VLM rows: upstream's random frame sampling, read from a frame folder or a file."""
+"""Video for VLM rows: upstream's random frame sampling, and frames decoded from a video file."""
 
 from __future__ import annotations
 
-import os
-import re
+import dataclasses
+from typing import IO
 
 import numpy as np
 
-from bagel_grain import fs
 from bagel_grain.drops import Drop, DropReason
 
-_FRAME_NUMBER = re.compile(r"_(\d+)\.(?:jpe?g|png)$", re.IGNORECASE)
 _NO_PYAV = "video files need PyAV: pip install 'bagel_grain[video]'"
+
+
+@dataclasses.dataclass(frozen=True)
+class FrameSamplerArgs:
+  """Upstream's `frame_sampler_args`: how many frames a video sample takes."""
+
+  max_num_frames: int = 12
+  min_num_frames: int = 8
 
 
 def sample_frame_indices(vlen: int, min_frames: int, max_frames: int,
@@ -35,30 +41,18 @@ def sample_frame_indices(vlen: int, min_frames: int, max_frames: int,
   return indices + [indices[-1]] * (t - len(indices))
 
 
-def frame_folder(folder: str) -> list[str]:
-  """Frames `*_N.jpg` of a folder, in N order; a frame linking out of the folder is refused."""
-  try:
-    listed = fs.list_files(folder)
-  except OSError as e:
-    raise Drop(DropReason.MISSING_FILE, f"video folder {folder}: {e}") from None
-  frames = [(int(m.group(1)), path) for path in listed if (m := _FRAME_NUMBER.search(path))]
-  if not fs.is_uri(folder):
-    root = os.path.realpath(folder)
-    for _, path in frames:
-      if not os.path.realpath(path).startswith(root + os.sep):
-        raise Drop(DropReason.PATH_OUTSIDE_DATA_DIR,
-                   f"frame {path} links out of its folder")
-  if not frames:
-    raise Drop(DropReason.VIDEO_UNREADABLE, f"no *_N.jpg frames in {folder}")
-  return [path for _, path in sorted(frames)]
-
-
-def read_video_frames(path: str, indices: list[int]):
-  """Frames of a video file as RGB PIL images, through PyAV (the `video` extra)."""
+def _pyav():
+  """PyAV, imported on first use: only rows with a video file need the `video` extra."""
   try:
     import av  # pylint: disable=import-outside-toplevel
   except ImportError:
     raise Drop(DropReason.VIDEO_UNREADABLE, _NO_PYAV) from None
+  return av
+
+
+def read_video_frames(path: str | IO[bytes], indices: list[int]):
+  """Frames of a video file as RGB PIL images, through PyAV (the `video` extra)."""
+  av = _pyav()
   wanted = set(indices)
   frames = {}
   try:
@@ -75,11 +69,8 @@ def read_video_frames(path: str, indices: list[int]):
   return [frames[i] for i in indices]
 
 
-def count_video_frames(path: str) -> int:
-  try:
-    import av  # pylint: disable=import-outside-toplevel
-  except ImportError:
-    raise Drop(DropReason.VIDEO_UNREADABLE, _NO_PYAV) from None
+def count_video_frames(path: str | IO[bytes]) -> int:
+  av = _pyav()
   try:
     with av.open(path) as container:
       stream = container.streams.video[0]
@@ -88,17 +79,3 @@ def count_video_frames(path: str) -> int:
       return sum(1 for _ in container.decode(video=0))
   except (av.error.FFmpegError, OSError, ValueError, IndexError) as e:
     raise Drop(DropReason.VIDEO_UNREADABLE, str(e)) from None
-
-
-def embedded_frames(files, folder: str) -> list[str]:
-  """Frames `*_N.jpg` directly inside `folder` among a converted record's file names.
-
-  The same choice and N order as `frame_folder`, over the names `folder + name`
-  the converter embedded the folder's files under.
-  """
-  frames = [(int(m.group(1)), name) for name in files
-            if name.startswith(folder) and "/" not in name[len(folder):]
-            and (m := _FRAME_NUMBER.search(name))]
-  if not frames:
-    raise Drop(DropReason.VIDEO_UNREADABLE, f"no *_N.jpg frames in {folder}")
-  return [name for _, name in sorted(frames)]

@@ -2,17 +2,17 @@
 
 from __future__ import annotations
 
-import io
 import json
 import os
+from typing import Any
 
 import numpy as np
 
-from bagel_grain import fs
-from bagel_grain.config import FrameSamplerArgs
-from bagel_grain.families import video
 from bagel_grain.drops import Drop, DropReason, require
+from bagel_grain.families import video
 from bagel_grain.families.base import FamilyTransform, is_text
+from bagel_grain.families.files import DiskFiles, EmbeddedFiles, FileStore, is_folder
+from bagel_grain.families.video import FrameSamplerArgs
 from bagel_grain.images import ImageTransform, resize_image
 from bagel_grain.sample import PlanItem, Sample
 from bagel_grain.sources.framing import LineWithFiles
@@ -23,40 +23,19 @@ PROMPT = PlanItem("text", enable_cfg=0, loss=0)
 ANSWER = PlanItem("text", enable_cfg=0, loss=1)
 
 
-def _check_relative(relative: str) -> None:
-  """Drop unless `relative` is a non-empty relative path string."""
-  require(is_text(relative) and relative != "", DropReason.WRONG_TYPE,
-          "path is not UTF-8 text")
-  require(not os.path.isabs(relative) and not fs.is_uri(relative) and "\x00" not in relative,
-          DropReason.PATH_OUTSIDE_DATA_DIR, relative)
+def parse_row(line: bytes) -> dict:
+  """The JSON object of a line; Drop(bad_json) for anything else."""
+  try:
+    row = json.loads(line)
+  except (ValueError, UnicodeDecodeError, RecursionError) as e:
+    raise Drop(DropReason.BAD_JSON, str(e)) from None
+  require(isinstance(row, dict), DropReason.BAD_JSON, "line is not a JSON object")
+  return row
 
 
-def inside(data_dir: str, relative: str) -> str:
-  """The path of `relative` under `data_dir`; Drop when it would leave the directory."""
-  _check_relative(relative)
-  path = fs.join(data_dir, relative)
-  if fs.is_uri(data_dir):
-    normalised = os.path.normpath(relative)
-    require(normalised != ".." and not normalised.startswith("../"),
-            DropReason.PATH_OUTSIDE_DATA_DIR, relative)
-    return path
-  root = os.path.realpath(data_dir)
-  real = os.path.realpath(path)  # follows symlinks: a link out of data_dir is refused too
-  require(real == root or real.startswith(root + os.sep), DropReason.PATH_OUTSIDE_DATA_DIR,
-          relative)
-  return real + (os.sep if relative.endswith("/") else "")
-
-
-def embedded(files: LineWithFiles, relative: str) -> str:
-  """`relative` as a key of a converted record's files, with the verdict `inside` gave.
-
-  The converter ran `inside` on the disk and recorded each refusal in `file_errors`;
-  embedded bytes are never looked up on disk, so nothing here can leave `data_dir`.
-  """
-  _check_relative(relative)
-  if relative in files.file_errors:
-    raise Drop(files.file_errors[relative], relative)
-  return relative
+def listed_images(row: dict) -> list[Any]:
+  """The row's `image` entry as a list (upstream allows one path or a list)."""
+  return row["image"] if isinstance(row["image"], list) else [row["image"]]
 
 
 def plan_turns(conversations, num_images: int) -> tuple[list[PlanItem], list[str]]:
@@ -100,52 +79,34 @@ class VLMTransform(FamilyTransform):
     self.frame_sampler = frame_sampler
     self.data_dirs = data_dirs
 
-  def _read(self, path: str, files: LineWithFiles | None) -> bytes:
-    if files is not None:  # a converted record: its files travel with it
-      if path not in files.files:
-        raise Drop(files.file_errors.get(path, DropReason.MISSING_FILE), path)
-      return files.files[path]
-    try:
-      return fs.read_bytes(path)
-    except OSError as e:
-      raise Drop(DropReason.MISSING_FILE, str(e)) from None
+  def _line_and_files(self, record: Record) -> tuple[bytes, FileStore]:
+    if isinstance(record.fields, LineWithFiles):  # a converted record: its files travel with it
+      return record.fields.line, EmbeddedFiles(record.fields)
+    return record.fields, DiskFiles(self.data_dirs[record.dataset])
 
-  def _video_frames(self, path: str, rng: np.random.Generator,
-                    files: LineWithFiles | None) -> list:
+  def _video_frames(self, files: FileStore, path: str, rng: np.random.Generator) -> list:
+    """Frame paths of a frame folder, or decoded frames (PIL images) of a video file."""
     args = self.frame_sampler
-    if path.endswith(os.sep) or path.endswith("/"):
-      frames = (video.frame_folder(path) if files is None else
-                video.embedded_frames([*files.files, *files.file_errors], path))
+    if is_folder(path):
+      frames = files.list_frames(path)
       indices = video.sample_frame_indices(len(frames), args.min_num_frames,
                                            args.max_num_frames, rng)
       return [frames[i] for i in indices]
-    if not (fs.exists(path) if files is None else path in files.files):
-      raise Drop(DropReason.MISSING_FILE, path)
-    opened = (lambda: path) if files is None else (lambda: io.BytesIO(files.files[path]))
-    indices = video.sample_frame_indices(video.count_video_frames(opened()), args.min_num_frames,
-                                         args.max_num_frames, rng)
-    return video.read_video_frames(opened(), indices)
+    indices = video.sample_frame_indices(video.count_video_frames(files.open_video(path)),
+                                         args.min_num_frames, args.max_num_frames, rng)
+    return video.read_video_frames(files.open_video(path), indices)
 
   def parse(self, record: Record, rng: np.random.Generator) -> Sample:
-    line, files = record.fields, None
-    if isinstance(line, LineWithFiles):
-      line, files = line.line, line
-    try:
-      row = json.loads(line)
-    except (ValueError, UnicodeDecodeError, RecursionError) as e:
-      raise Drop(DropReason.BAD_JSON, str(e)) from None
-    require(isinstance(row, dict), DropReason.BAD_JSON, "line is not a JSON object")
-    data_dir = self.data_dirs[record.dataset]
-    locate = (lambda p: inside(data_dir, p)) if files is None else (lambda p: embedded(files, p))
+    line, files = self._line_and_files(record)
+    row = parse_row(line)
     conversations = row.get("conversations")
     require(isinstance(conversations, list), DropReason.WRONG_TYPE,
             "conversations missing or not a list")
     images: list = []  # paths, or PIL images for frames of a video file
     if "image" in row:
-      listed = row["image"] if isinstance(row["image"], list) else [row["image"]]
-      images = [locate(p) for p in listed]
+      images = [files.locate(p) for p in listed_images(row)]
     elif "video" in row:
-      images = self._video_frames(locate(row["video"]), rng, files)
+      images = self._video_frames(files, files.locate(row["video"]), rng)
       placeholder = "<image>" * len(images)
       conversations = [
           {**t, "value": t["value"].replace("<video>", placeholder)}
@@ -159,10 +120,82 @@ class VLMTransform(FamilyTransform):
     target = [(self.vit_transform, len(images))]
     for image in images[:used]:
       if isinstance(image, str):
-        pixels.extend(self.load(self._read(image, files), target))
+        pixels.extend(self.load(files.read(image), target))
       else:  # a frame decoded from a video file
         pixels.append(resize_image(image, self.vit_transform, len(images)))
     text_ids = tuple(self.tokenizer.encode_batch(texts))
     num_tokens = sum(len(t) for t in text_ids) + sum(
         self.image_tokens(p, self.vit_transform.image_stride) for p in pixels)
     return Sample(tuple(plan), text_ids, tuple(pixels), num_tokens, self.key(record), notes)
+
+
+class _Embedding:
+  """A line's files read through `DiskFiles`, each refusal noted under the path the row spells."""
+
+  def __init__(self, data_dir: str):
+    self.disk = DiskFiles(data_dir)
+    self.files: dict[str, bytes] = {}
+    self.errors: dict[str, DropReason] = {}
+
+  def locate(self, relative: Any) -> str | None:
+    if not is_text(relative) or relative in self.errors:  # not text: dropped as wrong_type
+      return None
+    try:
+      return self.disk.locate(relative)
+    except Drop as e:
+      self.errors[relative] = e.reason
+      return None
+
+  def image(self, relative: Any) -> None:
+    path = self.locate(relative)
+    if path is not None and relative not in self.files:
+      try:
+        self.files[relative] = self.disk.read(path)
+      except Drop:
+        pass  # absent: `missing_file` when (and only when) the family opens it
+
+  def video(self, relative: Any) -> None:
+    path = self.locate(relative)
+    if path is None:
+      return
+    if is_folder(path):
+      try:
+        frames = self.disk.list_frames(path)
+      except Drop as e:
+        if e.reason != DropReason.VIDEO_UNREADABLE:  # no frames: list_frames finds that again
+          self.errors[relative] = e.reason  # a missing folder, a frame linking out
+        return
+      for frame in frames:
+        name = relative + os.path.basename(frame)
+        try:
+          self.files[name] = self.disk.read(frame)
+        except Drop as e:
+          self.errors[name] = e.reason  # still a frame: it counts for the sampling
+      return
+    try:
+      self.disk.open_video(path)
+    except Drop:
+      return  # absent, as on disk
+    try:
+      self.files[relative] = self.disk.read(path)
+    except Drop:
+      self.errors[relative] = DropReason.VIDEO_UNREADABLE  # PyAV could not open it either
+
+
+def embed_files(line: bytes, data_dir: str) -> LineWithFiles:
+  """The line with the files it references, for the converter: read as the family reads them.
+
+  Through `DiskFiles`, so a converted record drops for the same reason as the
+  line read from disk (see `files.EmbeddedFiles`).
+  """
+  embedding = _Embedding(data_dir)
+  try:
+    row = parse_row(line)
+  except Drop:
+    row = {}  # dropped as bad_json when read
+  if "image" in row:
+    for relative in listed_images(row):
+      embedding.image(relative)
+  elif "video" in row:
+    embedding.video(row["video"])
+  return LineWithFiles(line, embedding.files, embedding.errors)

@@ -1,0 +1,134 @@
+"""Where a record's image and video files come from: the disk under `data_dir`, or the record.
+
+A row names its files by relative path. `DiskFiles` resolves and reads them
+through `bagel_grain.fs` and holds the rules for what may be read (a path stays
+inside `data_dir`, symlinks out of it included). `EmbeddedFiles` answers from a
+converted record, whose files the converter read through `DiskFiles`, recording
+each refusal: both stores give the same verdict for the same row.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import re
+from typing import IO, Any, Iterable, Protocol
+
+from bagel_grain import fs
+from bagel_grain.drops import Drop, DropReason, require
+from bagel_grain.families.base import is_text
+from bagel_grain.sources.framing import LineWithFiles
+
+_FRAME_NUMBER = re.compile(r"_(\d+)\.(?:jpe?g|png)$", re.IGNORECASE)
+
+
+class FileStore(Protocol):
+  """The files a row references. Every method raises `Drop` with the reason to count."""
+
+  def locate(self, relative: Any) -> str:
+    """The file (or frame folder, ending in `/`) that a row's relative path names."""
+
+  def read(self, path: str) -> bytes:
+    """The bytes of a located file, or of a frame from `list_frames`."""
+
+  def list_frames(self, folder: str) -> list[str]:
+    """A located frame folder's frames `*_N.jpg` (or .png), in N order."""
+
+  def open_video(self, path: str) -> str | IO[bytes]:
+    """A located video file as PyAV opens it; call again for a fresh handle."""
+
+
+def is_folder(path: str) -> bool:
+  return path.endswith("/") or path.endswith(os.sep)
+
+
+def check_relative(relative: Any) -> None:
+  """Drop unless `relative` is a non-empty relative path string."""
+  require(is_text(relative) and relative != "", DropReason.WRONG_TYPE,
+          "path is not UTF-8 text")
+  require(not os.path.isabs(relative) and not fs.is_uri(relative) and "\x00" not in relative,
+          DropReason.PATH_OUTSIDE_DATA_DIR, relative)
+
+
+def numbered_frames(names: Iterable[str], folder: str) -> list[str]:
+  """The names `*_N.jpg` among `names`, in N order; Drop when there is none."""
+  frames = [(int(m.group(1)), name) for name in names if (m := _FRAME_NUMBER.search(name))]
+  if not frames:
+    raise Drop(DropReason.VIDEO_UNREADABLE, f"no *_N.jpg frames in {folder}")
+  return [name for _, name in sorted(frames)]
+
+
+class DiskFiles:
+  """Files under `data_dir`, local or remote (gs://, s3://); nothing outside it is read."""
+
+  def __init__(self, data_dir: str):
+    self.data_dir = data_dir
+
+  def locate(self, relative: Any) -> str:
+    check_relative(relative)
+    path = fs.join(self.data_dir, relative)
+    if fs.is_uri(self.data_dir):
+      normalised = os.path.normpath(relative)
+      require(normalised != ".." and not normalised.startswith("../"),
+              DropReason.PATH_OUTSIDE_DATA_DIR, relative)
+      return path
+    root = os.path.realpath(self.data_dir)
+    real = os.path.realpath(path)  # follows symlinks: a link out of data_dir is refused too
+    require(real == root or real.startswith(root + os.sep), DropReason.PATH_OUTSIDE_DATA_DIR,
+            relative)
+    return real + (os.sep if is_folder(relative) else "")
+
+  def read(self, path: str) -> bytes:
+    try:
+      return fs.read_bytes(path)
+    except OSError as e:
+      raise Drop(DropReason.MISSING_FILE, str(e)) from None
+
+  def list_frames(self, folder: str) -> list[str]:
+    try:
+      listed = fs.list_files(folder)
+    except OSError as e:
+      raise Drop(DropReason.MISSING_FILE, f"video folder {folder}: {e}") from None
+    frames = numbered_frames(listed, folder)
+    if not fs.is_uri(folder):
+      root = os.path.realpath(folder)
+      for path in frames:
+        require(os.path.realpath(path).startswith(root + os.sep),
+                DropReason.PATH_OUTSIDE_DATA_DIR, f"frame {path} links out of its folder")
+    return frames
+
+  def open_video(self, path: str) -> str:
+    require(fs.exists(path), DropReason.MISSING_FILE, path)
+    return path  # PyAV opens the path itself
+
+
+class EmbeddedFiles:
+  """The files a converted record carries, under the relative paths its row spells.
+
+  A path the converter's `DiskFiles` refused is in `file_errors` with the reason;
+  nothing here touches the disk, so nothing can leave `data_dir`.
+  """
+
+  def __init__(self, record: LineWithFiles):
+    self.record = record
+
+  def locate(self, relative: Any) -> str:
+    check_relative(relative)
+    if relative in self.record.file_errors:
+      raise Drop(self.record.file_errors[relative], relative)
+    return relative
+
+  def read(self, path: str) -> bytes:
+    if path not in self.record.files:
+      raise Drop(self.record.file_errors.get(path, DropReason.MISSING_FILE), path)
+    return self.record.files[path]
+
+  def list_frames(self, folder: str) -> list[str]:
+    names = [*self.record.files, *self.record.file_errors]  # an unreadable frame counts too
+    inside = [name for name in names
+              if name.startswith(folder) and "/" not in name[len(folder):]]
+    return numbered_frames(inside, folder)
+
+  def open_video(self, path: str) -> IO[bytes]:
+    require(path in self.record.files, DropReason.MISSING_FILE, path)
+    return io.BytesIO(self.record.files[path])
