@@ -18,10 +18,10 @@ import yaml
 
 from bagel_grain import fs, recipe
 from bagel_grain.errors import ConfigError
+from bagel_grain.families.family import Family
+from bagel_grain.families.registry import FAMILIES
 from bagel_grain.families.video import FrameSamplerArgs
 from bagel_grain.images import DEFAULT_MAX_PIXELS, ImageTransform
-
-FAMILIES = ("t2i_pretrain", "unified_edit", "vlm_sft")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,7 +44,7 @@ class DatasetSpec:
 
 @dataclasses.dataclass(frozen=True)
 class GroupConfig:
-  """One entry of `grouped_datasets`; its name is its family."""
+  """One entry of `grouped_datasets`; its name is its family's (see `families.registry`)."""
 
   name: str
   datasets: tuple[DatasetSpec, ...]
@@ -57,18 +57,21 @@ class GroupConfig:
   shuffle_seed: int = 0
 
   @property
-  def family(self) -> str:
-    return self.name
+  def family(self) -> Family:
+    return FAMILIES[self.name]
+
+  def role_transform(self, role: str) -> ImageTransform | None:
+    """The image transform of `role` ("vae" or "vit"); None when the family has no such role."""
+    field = self.family.image_roles.get(role)
+    return None if field is None else getattr(self, field)
 
   @property
   def vae_transform(self) -> ImageTransform | None:
-    return self.image_transform if self.name in ("t2i_pretrain", "unified_edit") else None
+    return self.role_transform("vae")
 
   @property
   def vit_transform(self) -> ImageTransform | None:
-    if self.name == "vlm_sft":
-      return self.image_transform
-    return self.vit_image_transform if self.name == "unified_edit" else None
+    return self.role_transform("vit")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -190,8 +193,9 @@ def _transform(raw: Any, *, file: str, group: str, key: str) -> ImageTransform:
   return ImageTransform(**values)
 
 
-def _datasets(group: str, raw: Mapping, info: Mapping, info_dir: str, info_file: str,
+def _datasets(family: Family, raw: Mapping, info: Mapping, info_dir: str, info_file: str,
               file: str) -> tuple[DatasetSpec, ...]:
+  group = family.name
   names = raw.get("dataset_names")
   if not isinstance(names, list) or not names or not all(isinstance(n, str) for n in names):
     raise ConfigError("`dataset_names` must be a non-empty list of names",
@@ -227,8 +231,8 @@ def _datasets(group: str, raw: Mapping, info: Mapping, info_dir: str, info_file:
       paths["data_dir"] = ar if fs.is_dir(ar) else os.path.dirname(ar)
     if "data_dir" not in paths:
       raise ConfigError("missing `data_dir`", file=info_file, group=group, key=name)
-    if group == "vlm_sft" and not paths.keys() & {"jsonl_path", "array_record_path"}:
-      raise ConfigError("VLM datasets need `jsonl_path` (or `array_record_path`)",
+    if family.reads_jsonl and not paths.keys() & {"jsonl_path", "array_record_path"}:
+      raise ConfigError("this family's datasets need `jsonl_path` (or `array_record_path`)",
                         file=info_file, group=group, key=f"{name}.jsonl_path")
     if n is not None:
       n = _number(n, int, file=file, group=group, key="num_used_data")
@@ -238,14 +242,15 @@ def _datasets(group: str, raw: Mapping, info: Mapping, info_dir: str, info_file:
 
 def _group(name: str, raw: Any, info: Mapping, info_dir: str, info_file: str,
            file: str) -> GroupConfig:
-  if name not in FAMILIES:
+  family = FAMILIES.get(name)
+  if family is None:
     raise ConfigError(f"unknown dataset family; known: {list(FAMILIES)}", file=file,
                       group=name, key=name)
   if not isinstance(raw, Mapping):
     raise ConfigError("a group must be a mapping", file=file, group=name, key=name)
   _check_keys(raw, _GROUP_KEYS, file=file, group=name, where="grouped_datasets")
   kwargs: dict[str, Any] = {"name": name}
-  kwargs["datasets"] = _datasets(name, raw, info, info_dir, info_file, file)
+  kwargs["datasets"] = _datasets(family, raw, info, info_dir, info_file, file)
   if "weight" in raw:
     kwargs["weight"] = _number(raw["weight"], float, file=file, group=name, key="weight")
     if not 0 <= kwargs["weight"] < float("inf"):  # also refuses nan
@@ -277,10 +282,7 @@ def _group(name: str, raw: Any, info: Mapping, info_dir: str, info_file: str,
       raise ConfigError(f"need 1 <= min_num_frames <= max_num_frames, got {frames.min_num_frames}"
                         f" and {frames.max_num_frames}", file=file, group=name,
                         key="frame_sampler_args")
-  needed = {"t2i_pretrain": ("image_transform",),
-            "unified_edit": ("image_transform", "vit_image_transform"),
-            "vlm_sft": ("image_transform",)}[name]
-  for field in needed:
+  for field in family.image_roles.values():
     if field not in kwargs:
       raise ConfigError(f"this family needs `{field}_args`", file=file, group=name,
                         key=f"{field}_args")
@@ -302,17 +304,17 @@ def _check_transform(t: ImageTransform, *, kind: str, stride: tuple[str, int],
 
 def _check_geometry(cfg: PipelineConfig, file: str) -> None:
   for g in cfg.groups:
+    roles = g.family.image_roles
     if g.vae_transform is not None:
       _check_transform(g.vae_transform, kind="VAE",
                        stride=("vae_image_downsample", cfg.vae_image_downsample),
                        limit=("max_latent_size", cfg.max_latent_size), file=file,
-                       group=g.name, key="image_transform_args")
+                       group=g.name, key=f"{roles['vae']}_args")
     if g.vit_transform is not None:
-      key = "vit_image_transform_args" if g.name == "unified_edit" else "image_transform_args"
       _check_transform(g.vit_transform, kind="ViT",
                        stride=("vit_patch_size", cfg.vit_patch_size),
                        limit=("max_num_patch_per_side", cfg.max_num_patch_per_side),
-                       file=file, group=g.name, key=key)
+                       file=file, group=g.name, key=f"{roles['vit']}_args")
   if cfg.max_num_tokens_per_sample > cfg.max_num_tokens:
     raise ConfigError(
         f"max_num_tokens_per_sample {cfg.max_num_tokens_per_sample} exceeds max_num_tokens "
@@ -366,8 +368,8 @@ def config_from_dict(raw: Mapping, *, file: str = "<dict>", base_dir: str = ".")
   for key in ("grouped_datasets", "dataset_info"):
     if key not in raw:
       raise ConfigError(f"missing `{key}`", file=file, key=key)
-  groups_raw, groups_dir, groups_file = _section(raw.pop("grouped_datasets"), base_dir, file,
-                                                 "grouped_datasets")
+  groups_raw, _, groups_file = _section(raw.pop("grouped_datasets"), base_dir, file,
+                                        "grouped_datasets")
   info, info_dir, info_file = _section(raw.pop("dataset_info"), base_dir, file, "dataset_info")
   if not groups_raw:
     raise ConfigError("`grouped_datasets` is empty", file=groups_file, key="grouped_datasets")

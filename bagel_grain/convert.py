@@ -31,10 +31,9 @@ from array_record.python import array_record_module
 from bagel_grain import fs
 from bagel_grain.config import DatasetSpec, GroupConfig, PipelineConfig, load_config
 from bagel_grain.errors import DatasetError
-from bagel_grain.families.vlm import embed_files
-from bagel_grain.pipeline import dataset_source
 from bagel_grain.sources import framing
 from bagel_grain.sources.array_record import SUFFIX
+from bagel_grain.sources.base import RecordSource
 
 DEFAULT_RECORDS_PER_SHARD = 4096
 # One record per chunk: random access reads exactly one record. Images are already
@@ -77,25 +76,27 @@ def _prepare_folder(folder: str, overwrite: bool) -> None:
     os.remove(os.path.join(folder, f))
 
 
-def _framed_records(group: GroupConfig, dataset: DatasetSpec, source, start: int, stop: int,
-                    pool: concurrent.futures.Executor):
-  """The framed records `start:stop` of the source, in order."""
+def _framed_records(group: GroupConfig, dataset: DatasetSpec, source: RecordSource, start: int,
+                    stop: int, pool: concurrent.futures.Executor):
+  """The framed records `start:stop` of the source, in order, with their files embedded."""
+  embed = group.family.embed_files
+
   def read(index: int):
     try:
       fields = source[index]
     except (OSError, pa.ArrowException) as e:
       raise DatasetError(f"cannot read record {source.record_id(index)}: {e}",
                          file=dataset.jsonl_path or dataset.data_dir) from None
-    if group.family == "vlm_sft":
-      fields = embed_files(fields, dataset.data_dir)
+    if embed is not None:
+      fields = embed(fields, dataset.data_dir)
     try:
       return framing.encode(fields, origin=source.record_id(index))
     except TypeError as e:
       raise DatasetError(f"record {source.record_id(index)} cannot be framed: {e}",
                          file=dataset.data_dir) from None
 
-  if group.family != "vlm_sft":
-    # Parquet rows come from a row-group cache: read in order, one thread.
+  if embed is None:
+    # Whole records (parquet rows) come from a row-group cache: read in order, one thread.
     yield from (read(i) for i in range(start, stop))
     return
   for chunk in range(start, stop, _CHUNK):
@@ -116,7 +117,7 @@ def convert_dataset(group: GroupConfig, dataset: DatasetSpec, out_dir: str, *,
                        file=dataset.array_record_path, field="array_record_path")
   if records_per_shard < 1:
     raise ValueError(f"records_per_shard must be >= 1, got {records_per_shard}")
-  source = dataset_source(group, dataset)
+  source = group.family.source(group, dataset)
   total = len(source)
   if total == 0:
     raise DatasetError(f"dataset {dataset.name!r} of group {group.name!r} has no records",

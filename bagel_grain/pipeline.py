@@ -15,19 +15,12 @@ import grain
 import numpy as np
 
 from bagel_grain import images
-from bagel_grain.config import DatasetSpec, GroupConfig, PipelineConfig
-from bagel_grain.families.edit import COLUMNS as EDIT_COLUMNS
-from bagel_grain.families.edit import EditTransform
-from bagel_grain.families.t2i import COLUMNS as T2I_COLUMNS
-from bagel_grain.families.t2i import T2ITransform
-from bagel_grain.families.vlm import VLMTransform
+from bagel_grain.config import PipelineConfig
+from bagel_grain.families.base import FamilyTransform
 from bagel_grain.packing.layout import Geometry
 from bagel_grain.packing.mixpack import MixPackDataset, MixPackIterator, PackingSpec
 from bagel_grain.packing.prepare import PrepareSample
 from bagel_grain.packing.row import Capacities, default_capacities
-from bagel_grain.sources.array_record import ArrayRecordSource, array_record_files
-from bagel_grain.sources.jsonl import JsonlLineSource
-from bagel_grain.sources.parquet import ParquetRowSource, dataset_files
 from bagel_grain.sources.records import ConcatSource, ShuffledRecords
 
 
@@ -48,34 +41,18 @@ def group_seed(seed: int, group: int) -> int:
   return int(np.random.SeedSequence([seed, group]).generate_state(1)[0])
 
 
-def dataset_source(g: GroupConfig, d: DatasetSpec):
-  """The records one dataset of a group contributes, in source order."""
-  if d.array_record_path is not None:
-    return ArrayRecordSource(array_record_files(d.array_record_path))
-  if g.family == "vlm_sft":
-    return JsonlLineSource(d.jsonl_path, num_used=d.num_used_data, shuffle_lines=g.shuffle_lines,
-                           shuffle_seed=g.shuffle_seed)
-  columns = T2I_COLUMNS if g.family == "t2i_pretrain" else EDIT_COLUMNS
-  return ParquetRowSource(dataset_files(d.data_dir, d.num_used_data), columns)
-
-
 def group_source(cfg: PipelineConfig, group: int) -> ConcatSource:
   """All records of a group, dataset after dataset."""
   g = cfg.groups[group]
-  return ConcatSource([dataset_source(g, d) for d in g.datasets])
+  return ConcatSource([g.family.source(g, d) for d in g.datasets])
 
 
-def family_transform(cfg: PipelineConfig, group: int, tokenizer):
+def family_transform(cfg: PipelineConfig, group: int, tokenizer) -> FamilyTransform:
   """The group's family transform (Record -> Sample | Dropped)."""
   g = cfg.groups[group]
   common = dict(group=group, tokenizer=tokenizer, max_decode_pixels=cfg.max_decode_pixels,
                 jpeg_draft=cfg.jpeg_draft)
-  if g.family == "t2i_pretrain":
-    return T2ITransform(vae_transform=g.vae_transform, **common)
-  if g.family == "unified_edit":
-    return EditTransform(vae_transform=g.vae_transform, vit_transform=g.vit_transform, **common)
-  return VLMTransform(vit_transform=g.vit_transform, frame_sampler=g.frame_sampler,
-                      data_dirs=tuple(d.data_dir for d in g.datasets), **common)
+  return g.family.make_transform(g, **common)
 
 
 def group_dataset(cfg: PipelineConfig, group: int, tokenizer, *, seed: int,

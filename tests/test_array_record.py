@@ -19,7 +19,7 @@ from bagel_grain.families.t2i import T2ITransform
 from bagel_grain.families.video import FrameSamplerArgs
 from bagel_grain.families.vlm import VLMTransform, embed_files
 from bagel_grain.images import ImageTransform
-from bagel_grain.pipeline import build_pipeline, dataset_source, pipeline_stats
+from bagel_grain.pipeline import build_pipeline, pipeline_stats
 from bagel_grain.drops import Dropped
 from bagel_grain.sample import Sample
 from bagel_grain.sources import framing
@@ -69,7 +69,7 @@ def family(cfg, name, tokenizer):
 
 def sources(cfg, name):
   g = cfg.group(name)
-  return [dataset_source(g, d) for d in g.datasets]
+  return [g.family.source(g, d) for d in g.datasets]
 
 
 def assert_same_outcome(a, b):

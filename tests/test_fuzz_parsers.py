@@ -17,10 +17,11 @@ import pytest
 from hypothesis import strategies as st
 from PIL import Image
 
-from bagel_grain.config import FrameSamplerArgs
 from bagel_grain.families.edit import EditTransform
 from bagel_grain.families.t2i import PLAN as T2I_PLAN
 from bagel_grain.families.t2i import T2ITransform
+from bagel_grain.families.registry import FAMILIES
+from bagel_grain.families.video import FrameSamplerArgs
 from bagel_grain.families.vlm import VLMTransform
 from bagel_grain.images import ImageError, ImageTransform, decode_image
 from bagel_grain.drops import Dropped
@@ -39,6 +40,7 @@ FRAMES = FrameSamplerArgs(max_num_frames=3, min_num_frames=2)
 REASONS = {"bad_image", "too_many_pixels", "truncated_image", "wrong_type", "bad_caption",
            "bad_edit_lists", "bad_json", "bad_turn", "no_loss_item", "missing_file",
            "path_outside_data_dir", "video_unreadable"}
+FAMILY_OF = {family.transform: family for family in FAMILIES.values()}
 
 
 def encoded(fmt: str, size=(40, 24), mode="RGB") -> bytes:
@@ -133,6 +135,7 @@ def run(transform, fields, seed: int = 0):
   assert isinstance(out, (Sample, Dropped)), type(out)
   if isinstance(out, Dropped):
     assert out.reason in REASONS, out
+    assert out.reason in FAMILY_OF[type(transform)].drop_reasons, out  # as its family declares
     assert out.key.record == "fuzz#0"
   else:
     check_sample(out, transform)

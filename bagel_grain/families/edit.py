@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from bagel_grain.drops import DropReason, require
+from bagel_grain.drops import IMAGE_REASONS, RECORD_REASONS, DropReason, require
 from bagel_grain.families.base import FamilyTransform, is_text
+from bagel_grain.families.family import Family
 from bagel_grain.images import ImageTransform
 from bagel_grain.sample import PlanItem, Sample
 from bagel_grain.sources.records import Record
@@ -93,3 +94,12 @@ class EditTransform(FamilyTransform):
                           else self.vit_transform.image_stride)
         for p, (kind, _) in zip(pixels, sources))
     return Sample(tuple(plan), ids, pixels, num_tokens, self.key(record))
+
+
+FAMILY = Family(
+    name="unified_edit",
+    transform=EditTransform,
+    image_roles={"vae": "image_transform", "vit": "vit_image_transform"},
+    columns=COLUMNS,
+    drop_reasons=RECORD_REASONS | IMAGE_REASONS | {DropReason.WRONG_TYPE,
+                                                   DropReason.BAD_EDIT_LISTS})

@@ -6,8 +6,9 @@ import json
 
 import numpy as np
 
-from bagel_grain.drops import Drop, DropReason, require
+from bagel_grain.drops import IMAGE_REASONS, RECORD_REASONS, Drop, DropReason, require
 from bagel_grain.families.base import FamilyTransform, is_text
+from bagel_grain.families.family import Family
 from bagel_grain.images import ImageTransform
 from bagel_grain.sample import PlanItem, Sample
 from bagel_grain.sources.records import Record
@@ -50,3 +51,12 @@ class T2ITransform(FamilyTransform):
     ids = self.encode(caption)
     num_tokens = len(ids) + self.image_tokens(pixels, self.vae_transform.image_stride)
     return Sample(PLAN, (ids,), (pixels,), num_tokens, self.key(record), notes)
+
+
+FAMILY = Family(
+    name="t2i_pretrain",
+    transform=T2ITransform,
+    image_roles={"vae": "image_transform"},
+    columns=COLUMNS,
+    drop_reasons=RECORD_REASONS | IMAGE_REASONS | {DropReason.WRONG_TYPE,
+                                                   DropReason.BAD_CAPTION})

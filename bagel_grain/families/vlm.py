@@ -4,19 +4,24 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from bagel_grain.drops import Drop, DropReason, require
+from bagel_grain.drops import FILE_REASONS, IMAGE_REASONS, RECORD_REASONS, Drop, DropReason
+from bagel_grain.drops import require
 from bagel_grain.families import video
 from bagel_grain.families.base import FamilyTransform, is_text
+from bagel_grain.families.family import Family
 from bagel_grain.families.files import DiskFiles, EmbeddedFiles, FileStore, is_folder
 from bagel_grain.families.video import FrameSamplerArgs
 from bagel_grain.images import ImageTransform, resize_image
 from bagel_grain.sample import PlanItem, Sample
 from bagel_grain.sources.framing import LineWithFiles
 from bagel_grain.sources.records import Record
+
+if TYPE_CHECKING:
+  from bagel_grain.config import GroupConfig
 
 IMAGE = PlanItem("vit_image", enable_cfg=0, loss=0)
 PROMPT = PlanItem("text", enable_cfg=0, loss=0)
@@ -199,3 +204,20 @@ def embed_files(line: bytes, data_dir: str) -> LineWithFiles:
   elif "video" in row:
     embedding.video(row["video"])
   return LineWithFiles(line, embedding.files, embedding.errors)
+
+
+def _options(group: GroupConfig) -> dict[str, Any]:
+  return {"frame_sampler": group.frame_sampler,
+          "data_dirs": tuple(d.data_dir for d in group.datasets)}
+
+
+FAMILY = Family(
+    name="vlm_sft",
+    transform=VLMTransform,
+    image_roles={"vit": "image_transform"},
+    columns=None,  # JSONL lines; their image and video files lie under data_dir
+    options=_options,
+    embed_files=embed_files,
+    drop_reasons=RECORD_REASONS | IMAGE_REASONS | FILE_REASONS | {
+        DropReason.BAD_JSON, DropReason.WRONG_TYPE, DropReason.BAD_TURN,
+        DropReason.NO_LOSS_ITEM})

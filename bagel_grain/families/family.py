@@ -1,0 +1,66 @@
+"""A family: all that differs between dataset kinds, in one record looked up by group name."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import TYPE_CHECKING, Any, Callable, Mapping
+
+from bagel_grain.drops import DropReason
+from bagel_grain.families.base import FamilyTransform
+from bagel_grain.sources.array_record import ArrayRecordSource, array_record_files
+from bagel_grain.sources.base import RecordSource
+from bagel_grain.sources.jsonl import JsonlLineSource
+from bagel_grain.sources.parquet import ParquetRowSource, dataset_files
+
+if TYPE_CHECKING:
+  from bagel_grain.config import DatasetSpec, GroupConfig
+
+
+def _no_options(group: GroupConfig) -> dict[str, Any]:
+  del group
+  return {}
+
+
+@dataclasses.dataclass(frozen=True)
+class Family:
+  """What a `grouped_datasets` key means: how its records are read, parsed and converted.
+
+  - `name`: the key (upstream's family name).
+  - `transform`: the `FamilyTransform` class, built with one `<role>_transform` per
+    image role, `options(group)` and the pipeline's common arguments.
+  - `image_roles`: role (`"vae"`, `"vit"`) -> the `GroupConfig` field holding its
+    `ImageTransform`; config validation requires each as `<field>_args`.
+  - `columns`: the parquet columns a record is read from; None for JSONL lines,
+    whose datasets then need `jsonl_path`.
+  - `embed_files`: the converter's step for a record whose files lie beside it,
+    `(record, data_dir) -> record with its files`; None when a record is whole.
+  - `drop_reasons`: every reason a record of the family may be dropped for before
+    packing (a source's reasons included).
+  """
+
+  name: str
+  transform: type[FamilyTransform]
+  image_roles: Mapping[str, str]
+  drop_reasons: frozenset[DropReason]
+  columns: tuple[str, ...] | None = None
+  options: Callable[[GroupConfig], dict[str, Any]] = _no_options
+  embed_files: Callable[[Any, str], Any] | None = None
+
+  @property
+  def reads_jsonl(self) -> bool:
+    return self.columns is None
+
+  def source(self, group: GroupConfig, dataset: DatasetSpec) -> RecordSource:
+    """The records one dataset of a group contributes, in source order."""
+    if dataset.array_record_path is not None:  # converted: records of any family
+      return ArrayRecordSource(array_record_files(dataset.array_record_path))
+    if self.reads_jsonl:
+      return JsonlLineSource(dataset.jsonl_path, num_used=dataset.num_used_data,
+                             shuffle_lines=group.shuffle_lines, shuffle_seed=group.shuffle_seed)
+    return ParquetRowSource(dataset_files(dataset.data_dir, dataset.num_used_data), self.columns)
+
+  def make_transform(self, config: GroupConfig, /, **common: Any) -> FamilyTransform:
+    """The group's transform; `common` holds what every family takes (`group` its index)."""
+    roles = {f"{role}_transform": getattr(config, field)
+             for role, field in self.image_roles.items()}
+    return self.transform(**roles, **self.options(config), **common)

@@ -1,0 +1,102 @@
+"""A family is one registered record: config, pipeline and converter read it and nothing else."""
+
+import json
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import yaml
+
+from bagel_grain.config import config_from_dict
+from bagel_grain.drops import RECORD_REASONS, DropReason, require
+from bagel_grain.errors import ConfigError
+from bagel_grain.families.base import FamilyTransform
+from bagel_grain.families.edit import EditTransform
+from bagel_grain.families.family import Family
+from bagel_grain.families.registry import FAMILIES
+from bagel_grain.families.t2i import T2ITransform
+from bagel_grain.families.vlm import VLMTransform
+from bagel_grain.pipeline import build_pipeline, family_transform, group_source, pipeline_stats
+from bagel_grain.sample import PlanItem, Sample
+from bagel_grain.sources.jsonl import JsonlLineSource
+from bagel_grain.sources.parquet import ParquetRowSource
+from conftest import CONFIGS
+
+
+def test_the_demo_groups_are_the_registered_families(demo_config):
+  assert [g.family.name for g in demo_config.groups] == [g.name for g in demo_config.groups]
+  assert {g.family.transform for g in demo_config.groups} == {T2ITransform, EditTransform,
+                                                              VLMTransform}
+
+
+def test_a_family_reads_its_format_and_builds_its_transform(demo_config, demo_tokenizer):
+  for index, g in enumerate(demo_config.groups):
+    (source,) = group_source(demo_config, index).sources
+    assert isinstance(source, JsonlLineSource if g.name == "vlm_sft" else ParquetRowSource)
+    transform = family_transform(demo_config, index, demo_tokenizer)
+    assert type(transform) is g.family.transform and transform.group == index
+  edit = family_transform(demo_config, 1, demo_tokenizer)
+  assert edit.vae_transform == demo_config.groups[1].image_transform
+  assert edit.vit_transform == demo_config.groups[1].vit_image_transform
+  vlm = family_transform(demo_config, 2, demo_tokenizer)
+  assert vlm.vit_transform == demo_config.groups[2].image_transform  # its one image role
+  assert vlm.frame_sampler == demo_config.groups[2].frame_sampler
+  assert vlm.data_dirs == (demo_config.groups[2].datasets[0].data_dir,)
+
+
+def test_each_image_role_is_required_by_config(demo_dir):
+  raw = yaml.safe_load((CONFIGS / "demo.yaml").read_text())
+  raw["dataset_info"] = str(demo_dir / "dataset_info.yaml")
+  raw["tokenizer_path"] = str(demo_dir / "tokenizer")
+  for name, family in FAMILIES.items():
+    for field in family.image_roles.values():
+      broken = json.loads(json.dumps(raw))
+      del broken["grouped_datasets"][name][f"{field}_args"]
+      with pytest.raises(ConfigError, match=f"needs `{field}_args`"):
+        config_from_dict(broken, base_dir=str(CONFIGS))
+
+
+# --- a new family is one record in the table --------------------------------------------
+
+
+class CaptionTransform(FamilyTransform):
+  """A text-only family for the test: the `text` column, all of it a loss target."""
+
+  def parse(self, record, rng):
+    text = record.fields.get("text")
+    require(isinstance(text, str) and text != "", DropReason.WRONG_TYPE, "no text")
+    ids = self.encode(text)
+    return Sample((PlanItem("text", loss=1),), (ids,), (), len(ids), self.key(record))
+
+
+CAPTIONS = Family(name="caption_sft", transform=CaptionTransform, image_roles={},
+                  columns=("text",), drop_reasons=RECORD_REASONS | {DropReason.WRONG_TYPE})
+
+
+def test_a_registered_family_runs_end_to_end(monkeypatch, tmp_path, demo_dir, demo_tokenizer):
+  monkeypatch.setitem(FAMILIES, CAPTIONS.name, CAPTIONS)
+  (tmp_path / "captions").mkdir()
+  texts = [f"Sentence number {i} about a red square." for i in range(30)] + [""]
+  pq.write_table(pa.table({"text": texts, "other": list(range(31))}),
+                 tmp_path / "captions" / "part-0.parquet", row_group_size=8)
+  raw = yaml.safe_load((CONFIGS / "demo.yaml").read_text())
+  raw.update(tokenizer_path=str(demo_dir / "tokenizer"), num_epochs=1,
+             grouped_datasets={"caption_sft": {"dataset_names": ["c"], "weight": 1}},
+             dataset_info={"caption_sft": {"c": {"data_dir": str(tmp_path / "captions")}}})
+  cfg = config_from_dict(raw, base_dir=str(CONFIGS))
+  assert cfg.groups[0].family is CAPTIONS
+  it = iter(build_pipeline(cfg, demo_tokenizer, batch_size=1, workers=0))
+  keys = [k for batch in it for k in batch["sample_keys"][0]]
+  stats = pipeline_stats(it)
+  it.close()
+  assert len(keys) == 30 and {k[0] for k in keys} == {"caption_sft"}
+  assert stats["drops"]["caption_sft"] == {"wrong_type": 1}  # the empty text
+
+
+def test_an_unregistered_family_is_refused_by_name(demo_dir):
+  raw = yaml.safe_load((CONFIGS / "demo.yaml").read_text())
+  raw.update(tokenizer_path=str(demo_dir / "tokenizer"),
+             grouped_datasets={"caption_sft": {"dataset_names": ["c"]}},
+             dataset_info={"caption_sft": {"c": {"data_dir": str(demo_dir)}}})
+  with pytest.raises(ConfigError, match="unknown dataset family.*vlm_sft"):
+    config_from_dict(raw, base_dir=str(CONFIGS))
