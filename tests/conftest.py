@@ -1,5 +1,6 @@
 """Shared fixtures: the generated demo dataset, its config and its tokenizer."""
 
+import functools
 import os
 
 # Before anything imports jax: the JAX tests run on 8 simulated CPU devices.
@@ -47,3 +48,15 @@ def demo_config(demo_dir):
 def demo_tokenizer(demo_dir):
   # The tokenizer.json file loads without importing transformers; same ids as the folder.
   return load_tokenizer(demo_dir / "tokenizer" / "tokenizer.json")
+
+
+@pytest.fixture(scope="session")
+def demo_epoch(demo_config, demo_tokenizer):
+  """`demo_epoch(name)`: one epoch of a demo group as [(record, sample)], made once."""
+  from family_records import family_dataset  # pylint: disable=import-outside-toplevel
+
+  @functools.cache
+  def epoch(name):
+    records, samples = family_dataset(demo_config, name, demo_tokenizer, seed=11)
+    return [(records[i], samples[i]) for i in range(records.records_per_epoch)]
+  return epoch

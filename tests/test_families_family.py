@@ -16,11 +16,13 @@ from bagel_grain.families.family import Family
 from bagel_grain.families.registry import FAMILIES
 from bagel_grain.families.t2i import T2ITransform
 from bagel_grain.families.vlm import VLMTransform
-from bagel_grain.pipeline import build_pipeline, family_transform, group_source, pipeline_stats
+from bagel_grain.pipeline import build_pipeline, family_transform, group_dataset, group_seed
+from bagel_grain.pipeline import group_source, pipeline_stats
 from bagel_grain.sample import PlanItem, Sample
 from bagel_grain.sources.jsonl import JsonlLineSource
 from bagel_grain.sources.parquet import ParquetRowSource
 from conftest import CONFIGS
+from family_records import family_dataset
 
 
 def test_the_demo_groups_are_the_registered_families(demo_config):
@@ -54,6 +56,18 @@ def test_each_image_role_is_required_by_config(demo_dir):
       del broken["grouped_datasets"][name][f"{field}_args"]
       with pytest.raises(ConfigError, match=f"needs `{field}_args`"):
         config_from_dict(broken, base_dir=str(CONFIGS))
+
+
+def test_group_dataset_is_the_family_transform_then_layout(demo_config, demo_tokenizer):
+  gi = 1  # unified_edit
+  prepared = group_dataset(demo_config, gi, demo_tokenizer, seed=42)
+  _, samples = family_dataset(demo_config, "unified_edit", demo_tokenizer,
+                              seed=group_seed(42, gi))
+  for index in (0, 3, 31):
+    sample = samples[index]
+    assert prepared[index].key == sample.key
+    assert sample.key.group == gi and sample.key.index == index
+    assert prepared[index].packed_size == sample.num_tokens + 2 * len(sample.plan)
 
 
 # --- a new family is one record in the table --------------------------------------------

@@ -1,0 +1,98 @@
+"""The two file stores: the disk under data_dir (and its rules), and a converted record."""
+
+import json
+import os
+
+import pytest
+
+from bagel_grain.drops import Drop, DropReason
+from bagel_grain.families.files import DiskFiles, EmbeddedFiles
+from bagel_grain.families.vlm import embed_files
+from bagel_grain.sources.framing import LineWithFiles
+from vlm_files import write_vlm_files
+
+
+@pytest.fixture
+def data(tmp_path):
+  return write_vlm_files(tmp_path)
+
+
+def reason(call, *args):
+  with pytest.raises(Drop) as e:
+    call(*args)
+  return e.value.reason
+
+
+def test_disk_paths_stay_inside_data_dir(data, tmp_path):
+  disk = DiskFiles(str(data))
+  assert disk.locate("a.png") == str(data / "a.png")
+  assert disk.locate("clip/") == str(data / "clip") + os.sep  # a folder stays a folder
+  assert disk.locate("clip/../a.png") == str(data / "a.png")
+  for outside in ("../outside.png", str(tmp_path / "outside.png"), "link.png",
+                  "clip/../../outside.png", "gs://bucket/a.png"):
+    assert reason(disk.locate, outside) == DropReason.PATH_OUTSIDE_DATA_DIR, outside
+  for not_a_path in ("", 3, None, ["a.png"], "a\udc00.png"):
+    assert reason(disk.locate, not_a_path) == DropReason.WRONG_TYPE, not_a_path
+
+
+def test_remote_data_dir_paths_are_checked_without_touching_storage():
+  disk = DiskFiles("gs://bucket/data")
+  assert disk.locate("images/a.png") == "gs://bucket/data/images/a.png"
+  assert reason(disk.locate, "images/../../secret.png") == DropReason.PATH_OUTSIDE_DATA_DIR
+
+
+def test_disk_reads_and_refuses_what_is_not_there(data):
+  disk = DiskFiles(str(data))
+  assert disk.read(disk.locate("a.png")) == (data / "a.png").read_bytes()
+  assert reason(disk.read, disk.locate("nope.png")) == DropReason.MISSING_FILE
+  assert disk.open_video(disk.locate("a.png")) == str(data / "a.png")
+  assert reason(disk.open_video, disk.locate("nope.mp4")) == DropReason.MISSING_FILE
+
+
+def test_disk_frames_come_in_frame_number_order(data):
+  (data / "clip" / "notes.txt").write_text("not a frame")
+  frames = DiskFiles(str(data)).list_frames(str(data / "clip") + "/")
+  assert [os.path.basename(f) for f in frames] == [f"frame_{n}.jpg" for n in range(1, 11)]
+
+
+def test_a_missing_empty_or_escaping_frame_folder_is_dropped(data, tmp_path):
+  disk = DiskFiles(str(data))
+  assert reason(disk.list_frames, str(data / "gone") + "/") == DropReason.MISSING_FILE
+  (data / "empty").mkdir()
+  assert reason(disk.list_frames, str(data / "empty") + "/") == DropReason.VIDEO_UNREADABLE
+  (data / "clip" / "frame_11.jpg").symlink_to(tmp_path / "outside.png")
+  assert reason(disk.list_frames, str(data / "clip") + "/") == DropReason.PATH_OUTSIDE_DATA_DIR
+
+
+def test_embedded_files_answer_from_the_record_only():
+  record = LineWithFiles(b"{}", {"a.png": b"png", "clip/frame_2.jpg": b"2",
+                                 "clip/frame_10.jpg": b"10", "clip/sub/frame_1.jpg": b"x",
+                                 "v.mp4": b"video"},
+                         {"link.png": DropReason.PATH_OUTSIDE_DATA_DIR,
+                          "clip/frame_3.jpg": DropReason.MISSING_FILE})
+  files = EmbeddedFiles(record)
+  assert files.locate("a.png") == "a.png" and files.read("a.png") == b"png"
+  assert reason(files.locate, "link.png") == DropReason.PATH_OUTSIDE_DATA_DIR
+  assert reason(files.locate, "/etc/hostname") == DropReason.PATH_OUTSIDE_DATA_DIR
+  assert reason(files.read, "nope.png") == DropReason.MISSING_FILE
+  # A frame that could not be read still counts; one in a sub-folder is not the clip's.
+  assert files.list_frames("clip/") == ["clip/frame_2.jpg", "clip/frame_3.jpg",
+                                        "clip/frame_10.jpg"]
+  assert reason(files.read, "clip/frame_3.jpg") == DropReason.MISSING_FILE
+  assert reason(files.list_frames, "other/") == DropReason.VIDEO_UNREADABLE
+  assert files.open_video("v.mp4").read() == b"video"
+  assert reason(files.open_video, "nope.mp4") == DropReason.MISSING_FILE
+
+
+def test_the_converter_embeds_what_the_disk_store_reads(data):
+  line = json.dumps({"image": ["a.png", "link.png", "nope.png", "a.png"],
+                     "conversations": []}).encode()
+  record = embed_files(line, str(data))
+  assert record.line == line
+  assert record.files == {"a.png": (data / "a.png").read_bytes()}
+  assert record.file_errors == {"link.png": DropReason.PATH_OUTSIDE_DATA_DIR}  # nope: absent
+  video = embed_files(json.dumps({"video": "clip/"}).encode(), str(data))
+  disk = DiskFiles(str(data))
+  on_disk = disk.list_frames(disk.locate("clip/"))
+  assert EmbeddedFiles(video).list_frames("clip/") == [
+      "clip/" + os.path.basename(f) for f in on_disk]

@@ -1,0 +1,67 @@
+"""ArrayRecord files as a record source: record counts from footers, damaged records dropped."""
+
+import pickle
+
+import numpy as np
+import pytest
+from array_record.python import array_record_module
+
+from bagel_grain.errors import DatasetError
+from bagel_grain.families.t2i import T2ITransform
+from bagel_grain.images import ImageTransform
+from bagel_grain.sample import Sample
+from bagel_grain.sources import framing
+from bagel_grain.sources.array_record import ArrayRecordSource, array_record_files
+from bagel_grain.sources.records import ConcatSource, ShuffledRecords
+from vlm_files import png
+
+GOOD = framing.encode({"image": b"abc" * 10, "captions": "{}"})
+
+
+def write_array_record(path, records):
+  writer = array_record_module.ArrayRecordWriter(str(path), "group_size:1")
+  for record in records:
+    writer.write(record)
+  writer.close()
+  return str(path)
+
+
+def test_a_damaged_record_is_dropped_with_its_reason(tmp_path, demo_tokenizer):
+  good = framing.encode({"image": png(), "captions": '{"a": "a red square"}'})
+  path = write_array_record(tmp_path / "x.array_record", [good, good[:-5], b"junk", good])
+  source = ArrayRecordSource([path])
+  records = ShuffledRecords(ConcatSource([source]), seed=0, num_epochs=1)
+  t2i = T2ITransform(vae_transform=ImageTransform(max_image_size=64, min_image_size=32,
+                                                  image_stride=16),
+                     group=0, tokenizer=demo_tokenizer, max_decode_pixels=10**7)
+  outcomes = {r.record_id: t2i.random_map(r, np.random.default_rng(0))
+              for r in (records[i] for i in range(len(records)))}
+  assert sorted(outcomes) == [f"{path}:{i}" for i in range(4)]
+  assert isinstance(outcomes[f"{path}:0"], Sample) and isinstance(outcomes[f"{path}:3"], Sample)
+  for i in (1, 2):
+    assert outcomes[f"{path}:{i}"].reason == "corrupt_record"
+    assert outcomes[f"{path}:{i}"].detail  # says what is wrong
+
+
+def test_a_truncated_file_is_a_build_error(tmp_path):
+  path = write_array_record(tmp_path / "x.array_record", [GOOD] * 3)
+  data = open(path, "rb").read()
+  open(path, "wb").write(data[:len(data) // 2])
+  with pytest.raises(DatasetError, match="truncated"):
+    ArrayRecordSource([path])
+
+
+def test_files_of_a_folder_read_as_one_source_that_pickles(tmp_path):
+  rows = [{"id": f"r{i}", "image": bytes([i]) * 5} for i in range(7)]
+  write_array_record(tmp_path / "b.array_record", [framing.encode(r) for r in rows[4:]])
+  write_array_record(tmp_path / "a.array_record", [framing.encode(r) for r in rows[:4]])
+  (tmp_path / "notes.txt").write_text("not a shard")
+  files = array_record_files(str(tmp_path))
+  assert [f.rsplit("/", 1)[1] for f in files] == ["a.array_record", "b.array_record"]
+  source = ArrayRecordSource(files)
+  assert [source[i] for i in range(len(source))] == rows
+  assert source.record_id(5) == f"{files[1]}:1"
+  copy = pickle.loads(pickle.dumps(source))  # workers get the source by pickle
+  assert [copy[i] for i in range(len(copy))] == rows
+  with pytest.raises(IndexError):
+    source[7]
