@@ -5,7 +5,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import io
-import os
 import struct
 import warnings
 from typing import Sequence
@@ -144,19 +143,18 @@ def _open_checked(data: bytes, max_pixels_decode: int) -> Image.Image:
   return img
 
 
-def decode_image(data: bytes, *, max_pixels_decode: int, allow_truncated: bool = False) -> Image.Image:
+def decode_image(data: bytes, *, max_pixels_decode: int) -> Image.Image:
   """Decode encoded bytes to an RGB image, checking the header size before decoding.
 
   Raises ImageError with reason "too_many_pixels" (header over the cap, or a Pillow
   decompression-bomb signal, so the effective cap is also bounded by Pillow's
   `Image.MAX_IMAGE_PIXELS`), "truncated_image" or "bad_image". Pillow's globals
   are left untouched (the local warnings.catch_warnings is itself process-wide
-  before Python 3.14; it only escalates DecompressionBombWarning).
-  `allow_truncated` only documents intent: decoding a truncated file needs the
-  process-wide `enable_truncated_images()` switch, which the pipeline sets once
-  at build time. EXIF orientation is not applied (upstream does not apply it).
+  before Python 3.14; it only escalates DecompressionBombWarning). A truncated
+  file decodes only under the process-wide `enable_truncated_images()` switch,
+  which the pipeline sets once at build time. EXIF orientation is not applied
+  (upstream does not apply it).
   """
-  del allow_truncated  # Governed by the process-wide switch; see the docstring.
   with _image_errors():
     img = _open_checked(data, max_pixels_decode)
     img.load()
@@ -181,14 +179,6 @@ def decode_resized(data: bytes, targets: Sequence[tuple[ImageTransform, int]], *
   return [resize_to(rgb, size) for size in sizes]
 
 
-def decode_image_file(path: str | os.PathLike, *, max_pixels_decode: int,
-                      allow_truncated: bool = False) -> Image.Image:
-  """decode_image on a local file's bytes; a missing or unreadable file is an OSError."""
-  with open(path, "rb") as f:
-    data = f.read()
-  return decode_image(data, max_pixels_decode=max_pixels_decode, allow_truncated=allow_truncated)
-
-
 def resize_to(img: Image.Image, size: tuple[int, int]) -> np.ndarray:
   """PIL bicubic resize of an RGB image to `size` (w, h); uint8 HWC contiguous array."""
   if size != img.size:  # Pillow's same-size resize is a plain copy: skipping is identical.
@@ -201,9 +191,3 @@ def resize_image(img: Image.Image, transform: ImageTransform, img_num: int = 1) 
   if img.mode != "RGB":
     img = to_rgb(img)
   return resize_to(img, resize_size(img.width, img.height, transform, img_num))
-
-
-def load_and_resize(data: bytes, transform: ImageTransform, img_num: int = 1, *,
-                    max_pixels_decode: int) -> np.ndarray:
-  """Decode, convert to RGB and resize in one call (the families' hot path)."""
-  return resize_image(decode_image(data, max_pixels_decode=max_pixels_decode), transform, img_num)

@@ -12,7 +12,7 @@ from hypothesis import given, settings, strategies as st
 from PIL import Image, ImageFile
 
 from bagel_grain.images import (
-    ImageError, ImageTransform, decode_image, decode_image_file, load_and_resize,
+    ImageError, ImageTransform, decode_image, decode_resized,
     resize_image, resize_size, to_rgb)
 from golden import GOLDEN, array_digest, load_json
 
@@ -58,23 +58,16 @@ def test_pixel_digests_cover_every_case_and_see_one_level_of_one_pixel():
   assert array_digest(a) != array_digest(a.reshape(5, 4, 3))
 
 
-def test_load_and_resize_equals_the_steps():
+def test_decode_resized_equals_the_steps_for_every_target():
   case = _PIXELS["cases"][0]
-  transform = _transforms(_PIXELS)[case["transform"]]
+  transforms = _transforms(_PIXELS)
   data = (GOLDEN / "images" / case["source"]).read_bytes()
-  step = resize_image(decode_image(data, max_pixels_decode=CAP), transform, case["img_num"])
-  np.testing.assert_array_equal(
-      load_and_resize(data, transform, case["img_num"], max_pixels_decode=CAP), step)
-
-
-def test_decode_image_file_reads_local_path(tmp_path):
-  src = GOLDEN / "images" / _PIXELS["cases"][0]["source"]
-  path = tmp_path / "x.jpg"
-  path.write_bytes(src.read_bytes())
-  a = decode_image_file(path, max_pixels_decode=CAP)
-  b = decode_image(src.read_bytes(), max_pixels_decode=CAP)
-  assert a.mode == "RGB"
-  np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  targets = [(t, n) for t in transforms.values() for n in (1, 3)]
+  img = decode_image(data, max_pixels_decode=CAP)
+  resized = decode_resized(data, targets, max_pixels_decode=CAP)  # one decode, many sizes
+  assert len(resized) == len(targets)
+  for (transform, n), got in zip(targets, resized):
+    np.testing.assert_array_equal(got, resize_image(img, transform, n))
 
 
 def test_same_size_resize_is_identity():
@@ -247,7 +240,6 @@ def test_resize_size_is_stride_aligned(w, h, t, img_num):
 
 def test_jpeg_draft_fast_path_stays_within_its_documented_difference():
   """README: draft decoding differs by at most 3.0 mean / 80 max (uint8) on the goldens."""
-  from bagel_grain.images import decode_resized
   cases = load_json("resized_pixels.json")
   transforms = {k: ImageTransform(**v) for k, v in cases["transforms"].items()}
   engaged = 0
