@@ -156,7 +156,7 @@ def _section(value: Any, base_dir: str, file: str, key: str) -> tuple[Mapping, s
   if isinstance(value, str):
     path = fs.resolve(value, base_dir)
     value = _load_yaml(path)
-    file, base_dir = path, os.path.dirname(path)
+    file, base_dir = path, fs.dirname(path)
   if not isinstance(value, Mapping):
     raise ConfigError(f"`{key}` must be a mapping or a path to one", file=file, key=key)
   return value, base_dir, file
@@ -385,7 +385,7 @@ def load_config(path: str | os.PathLike, **overrides: Any) -> PipelineConfig:
   """Loads a YAML config; keyword overrides replace top-level fields after validation."""
   path = str(path)
   raw = _load_yaml(path)
-  cfg = config_from_dict(raw, file=path, base_dir=os.path.dirname(os.path.abspath(path)))
+  cfg = config_from_dict(raw, file=path, base_dir=fs.dirname(path))
   if overrides:
     cfg = dataclasses.replace(cfg, **overrides)
     _check_geometry(cfg, path)

@@ -1,15 +1,32 @@
 """One filesystem layer (pyarrow.fs) for every file the pipeline touches.
 
 Local paths and URIs (gs://, s3://, hdfs://) go through the same calls, so remote
-storage needs no change in sources or families.
+storage needs no change in sources or families. Endpoints and credentials come
+from the environment, as the clouds' own tools read them (never from code):
+
+- s3://: `AWS_ACCESS_KEY_ID`, `AWS_SECRET_ACCESS_KEY`, `AWS_SESSION_TOKEN`,
+  `AWS_DEFAULT_REGION` / `AWS_REGION`, and `AWS_ENDPOINT_URL_S3` or
+  `AWS_ENDPOINT_URL` for an S3-compatible server (`http://host:port`).
+- gs://: Google's default credentials (`GOOGLE_APPLICATION_CREDENTIALS`, the
+  metadata server), and `STORAGE_EMULATOR_HOST` for a GCS emulator (then anonymous).
+
+One filesystem object per scheme, bucket and environment is made per process
+and reused: a new S3 or GCS client for every read would cost a handshake each.
 """
 
 from __future__ import annotations
 
+import functools
 import os
 import posixpath
+import shutil
+import tempfile
+import urllib.parse
 
 from pyarrow import fs as pafs
+
+_ENV = ("AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL", "AWS_DEFAULT_REGION", "AWS_REGION",
+        "STORAGE_EMULATOR_HOST")
 
 
 def is_uri(path: str) -> bool:
@@ -22,6 +39,13 @@ def join(base: str, *parts: str) -> str:
   return os.path.join(base, *parts)
 
 
+def dirname(path: str) -> str:
+  """The folder holding `path` (a URI keeps its scheme and bucket)."""
+  if is_uri(path):
+    return posixpath.dirname(path.rstrip("/"))
+  return os.path.dirname(os.path.abspath(path))
+
+
 def resolve(path: str, relative_to: str | None) -> str:
   """Resolves `path` against the folder `relative_to` unless it is absolute or a URI."""
   path = os.path.expanduser(str(path))
@@ -30,10 +54,38 @@ def resolve(path: str, relative_to: str | None) -> str:
   return join(relative_to, path)
 
 
+def _endpoint(url: str) -> tuple[str, str]:
+  """(scheme, host:port) of an endpoint given as `http://host:port` or `host:port`."""
+  parsed = urllib.parse.urlsplit(url if "://" in url else "http://" + url)
+  return parsed.scheme, parsed.netloc
+
+
+@functools.lru_cache(maxsize=None)
+def _remote(scheme: str, env: tuple) -> pafs.FileSystem:
+  settings = dict(zip(_ENV, env))
+  if scheme == "s3":
+    url = settings["AWS_ENDPOINT_URL_S3"] or settings["AWS_ENDPOINT_URL"]
+    region = settings["AWS_DEFAULT_REGION"] or settings["AWS_REGION"]
+    kwargs = {"region": region} if region else {}
+    if url:
+      kwargs["scheme"], kwargs["endpoint_override"] = _endpoint(url)
+    return pafs.S3FileSystem(**kwargs)
+  if scheme in ("gs", "gcs"):
+    host = settings["STORAGE_EMULATOR_HOST"]
+    if host:
+      http, netloc = _endpoint(host)
+      return pafs.GcsFileSystem(anonymous=True, endpoint_override=netloc, scheme=http)
+    return pafs.GcsFileSystem()
+  raise ValueError(scheme)
+
+
 def filesystem(path: str) -> tuple[pafs.FileSystem, str]:
   """The pyarrow filesystem holding `path`, and the path as that filesystem spells it."""
   if not is_uri(path):
     return pafs.LocalFileSystem(), os.path.abspath(path)
+  scheme, rest = path.split("://", 1)
+  if scheme in ("s3", "gs", "gcs"):
+    return _remote(scheme, tuple(os.environ.get(k) for k in _ENV)), rest.rstrip("/")
   return pafs.FileSystem.from_uri(path)
 
 
@@ -47,13 +99,28 @@ def is_dir(path: str) -> bool:
   return fs.get_file_info(p).type == pafs.FileType.Directory
 
 
-def list_files(folder: str, suffix: str = "") -> list[str]:
-  """Files directly inside `folder` whose names end with `suffix`, sorted by name."""
+def file_info(path: str) -> pafs.FileInfo:
+  """Type, size and modification time of one path (one request on an object store)."""
+  fs, p = filesystem(path)
+  return fs.get_file_info(p)
+
+
+def list_file_infos(folder: str, suffix: str = "") -> list[pafs.FileInfo]:
+  """Files directly inside `folder` whose names end with `suffix`, sorted by name.
+
+  One listing (a few requests on an object store, whatever the number of files)
+  gives every file's size and modification time.
+  """
   fs, p = filesystem(folder)
   infos = fs.get_file_info(pafs.FileSelector(p, recursive=False))
-  names = sorted(i.base_name for i in infos
-                 if i.type == pafs.FileType.File and i.base_name.endswith(suffix))
-  return [join(folder, n) for n in names]
+  return sorted((i for i in infos
+                 if i.type == pafs.FileType.File and i.base_name.endswith(suffix)),
+                key=lambda i: i.base_name)
+
+
+def list_files(folder: str, suffix: str = "") -> list[str]:
+  """Files directly inside `folder` whose names end with `suffix`, sorted by name."""
+  return [join(folder, i.base_name) for i in list_file_infos(folder, suffix)]
 
 
 def read_bytes(path: str) -> bytes:
@@ -62,7 +129,53 @@ def read_bytes(path: str) -> bytes:
     return f.read()
 
 
+def write_bytes(path: str, data: bytes) -> None:
+  """Writes a whole file; on an object store the object appears only once complete."""
+  fs, p = filesystem(path)
+  if not is_uri(path):
+    os.makedirs(os.path.dirname(p), exist_ok=True)
+  with fs.open_output_stream(p) as f:
+    f.write(data)
+
+
 def open_random_access(path: str):
   """A seekable file object (for parquet footers and JSONL line offsets)."""
   fs, p = filesystem(path)
   return fs.open_input_file(p)
+
+
+def open_output(path: str):
+  """A writable stream (local folders are created)."""
+  fs, p = filesystem(path)
+  if not is_uri(path):
+    os.makedirs(os.path.dirname(p), exist_ok=True)
+  return fs.open_output_stream(p)
+
+
+class LocalCopy:
+  """A remote folder or file copied to a temporary local folder, deleted on exit.
+
+  For libraries that only open local paths (a Hugging Face tokenizer folder).
+  A local path is used as it is.
+  """
+
+  def __init__(self, path: str):
+    self._path, self._tmp = path, None
+
+  def __enter__(self) -> str:
+    if not is_uri(self._path):
+      return self._path
+    self._tmp = tempfile.mkdtemp(prefix="bagel-grain-")
+    if not is_dir(self._path):
+      local = os.path.join(self._tmp, posixpath.basename(self._path.rstrip("/")))
+      with open(local, "wb") as f:
+        f.write(read_bytes(self._path))
+      return local
+    for name in list_files(self._path):
+      with open(os.path.join(self._tmp, posixpath.basename(name)), "wb") as f:
+        f.write(read_bytes(name))
+    return self._tmp
+
+  def __exit__(self, *exc) -> None:
+    if self._tmp is not None:
+      shutil.rmtree(self._tmp, ignore_errors=True)

@@ -15,6 +15,7 @@ from typing import Any, Sequence
 import numpy as np
 import tokenizers
 
+from bagel_grain import fs
 from bagel_grain.errors import ConfigError
 # One definition, shared with the packer that consumes the ids.
 from bagel_grain.packing.layout import SpecialTokens
@@ -205,5 +206,11 @@ class Tokenizer:
 
 
 def load_tokenizer(path: str | os.PathLike[str] | None) -> Tokenizer:
-  """Loads a `tokenizer.json` file or a Hugging Face tokenizer directory (no hub access)."""
-  return Tokenizer(path)
+  """Loads a `tokenizer.json` file or a Hugging Face tokenizer directory (no hub access).
+
+  A gs:// or s3:// path is copied to a temporary folder first, loaded, and deleted.
+  """
+  if path is None:
+    return Tokenizer(None)  # the error that says where to set the path
+  with fs.LocalCopy(str(path)) as local:
+    return Tokenizer(local)

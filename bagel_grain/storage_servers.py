@@ -1,0 +1,136 @@
+"""Object-store servers on 127.0.0.1 for the tests and the bench, each in a child process.
+
+- S3: moto's `ThreadedMotoServer` (the `test` extra), read by pyarrow's `S3FileSystem`.
+- GCS: `gcp-storage-emulator` (the `test` extra), read by pyarrow's `GcsFileSystem`.
+  It must run in a process of its own: with the emulator's thread in the reading
+  process, pyarrow's GCS file reads stall for good (the reading call keeps the
+  interpreter lock while it waits, so the emulator's thread never answers).
+- `delay_ms` / `proxy_port`: a `latency_proxy` process in front of the server.
+
+Every child prints its port, serves until its standard input closes (when the
+parent stops it, or dies), then exits; `stop()` also kills a child that lingers.
+The environment a client needs (endpoint, test credentials) comes from
+`environment()`: the filesystem layer reads nothing else.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+from pyarrow import fs as pafs
+
+_ACCESS = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
+           "AWS_DEFAULT_REGION": "us-east-1"}
+
+
+class _Child:
+  """A child process that printed its port and serves until its input closes."""
+
+  def __init__(self, args: list[str]):
+    self._process = subprocess.Popen([sys.executable, *args], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                                     text=True)
+    line = self._process.stdout.readline()
+    if not line.strip().isdigit():
+      self.stop()
+      raise RuntimeError(f"{' '.join(args)} did not start (said {line!r})")
+    self.port = int(line)
+
+  def stop(self) -> None:
+    try:
+      self._process.stdin.close()
+    except OSError:
+      pass
+    try:
+      self._process.wait(timeout=5)
+    except subprocess.TimeoutExpired:
+      self._process.kill()
+      self._process.wait()
+    self._process.stdout.close()
+
+
+class LocalObjectStore:
+  """An S3 (`kind="s3"`) or GCS (`kind="gcs"`) server holding one bucket."""
+
+  def __init__(self, kind: str, bucket: str = "bucket-one", delay_ms: float = 0):
+    if kind not in ("s3", "gcs"):
+      raise ValueError(f"kind must be 's3' or 'gcs', not {kind!r}")
+    self.kind, self.bucket = kind, bucket
+    self._server = _Child(["-m", __name__, kind, bucket])
+    self._proxies: list[_Child] = []
+    self.port = self.proxy_port(delay_ms) if delay_ms else self._server.port
+
+  def proxy_port(self, delay_ms: float) -> int:
+    """The port of a new latency proxy in front of the server (stopped with it)."""
+    proxy = _Child(["-m", "bagel_grain.latency_proxy", str(self._server.port), str(delay_ms)])
+    self._proxies.append(proxy)
+    return proxy.port
+
+  def environment(self, port: int | None = None) -> dict[str, str]:
+    """The variables that point `bagel_grain.fs` at this server (through `port`)."""
+    endpoint = f"http://127.0.0.1:{port or self.port}"
+    if self.kind == "s3":
+      return {**_ACCESS, "AWS_ENDPOINT_URL": endpoint}
+    return {"STORAGE_EMULATOR_HOST": endpoint}
+
+  def uri(self, *parts: str) -> str:
+    return "/".join([f"{'s3' if self.kind == 's3' else 'gs'}://{self.bucket}", *parts])
+
+  def filesystem(self) -> pafs.FileSystem:
+    """A pyarrow client of the server itself (no proxy), for setting up data."""
+    endpoint = f"127.0.0.1:{self._server.port}"
+    if self.kind == "s3":
+      return pafs.S3FileSystem(access_key="testing", secret_key="testing", region="us-east-1",
+                               endpoint_override=endpoint, scheme="http")
+    return pafs.GcsFileSystem(anonymous=True, endpoint_override=endpoint, scheme="http")
+
+  def upload(self, local_dir: str, prefix: str) -> str:
+    """Copies a local folder's files under `prefix`; returns the prefix's URI."""
+    client = self.filesystem()
+    for root, _, names in os.walk(local_dir):
+      for name in names:
+        path = os.path.join(root, name)
+        relative = os.path.relpath(path, local_dir).replace(os.sep, "/")
+        with open(path, "rb") as f, client.open_output_stream(
+            f"{self.bucket}/{prefix}/{relative}") as out:
+          out.write(f.read())
+    return self.uri(prefix)
+
+  def stop(self) -> None:
+    for child in [*self._proxies, self._server]:
+      child.stop()
+    self._proxies = []
+
+  def __enter__(self) -> LocalObjectStore:
+    return self
+
+  def __exit__(self, *exc) -> None:
+    self.stop()
+
+
+def _serve_s3(bucket: str) -> None:
+  from moto.server import ThreadedMotoServer  # pylint: disable=import-outside-toplevel
+  server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+  server.start()
+  port = server.get_host_and_port()[1]
+  pafs.S3FileSystem(access_key="testing", secret_key="testing", region="us-east-1",
+                    endpoint_override=f"127.0.0.1:{port}", scheme="http",
+                    allow_bucket_creation=True).create_dir(bucket)
+  print(port, flush=True)
+
+
+def _serve_gcs(bucket: str) -> None:
+  from gcp_storage_emulator.server import create_server  # pylint: disable=import-outside-toplevel
+  server = create_server("127.0.0.1", 0, in_memory=True, default_bucket=bucket)
+  server.start()
+  # pylint: disable-next=protected-access  # the emulator has no accessor for its bound port
+  print(server._api._httpd.server_address[1], flush=True)
+
+
+if __name__ == "__main__":
+  {"s3": _serve_s3, "gcs": _serve_gcs}[sys.argv[1]](sys.argv[2])
+  sys.stdin.read()  # until the parent closes our input (or dies)
+  os._exit(0)  # pylint: disable=protected-access  # in-memory servers: nothing to flush, and
+  # a graceful stop can wait forever on a client that keeps its connection open
