@@ -8,6 +8,7 @@ import pytest
 from bagel_grain.drops import Drop, Dropped, DropReason, require
 from bagel_grain.images import ImageError
 from bagel_grain.packing.row import Capacities, Usage
+from bagel_grain.packing.stats import PackingStats
 from bagel_grain.sample import SampleKey
 
 
@@ -16,6 +17,14 @@ def test_a_reason_counts_and_serialises_as_its_plain_name():
   assert counts == {"bad_json": 2}  # stats restored from JSON merge with live counters
   assert json.dumps(counts) == '{"bad_json": 2}'
   assert f"{DropReason.MISSING_FILE}" == "missing_file"
+
+
+def test_stats_report_a_reason_under_its_plain_name():
+  stats = PackingStats(["g"])
+  stats.dropped(0, DropReason.BAD_JSON)
+  report = stats.report()
+  assert [type(k) for k in report["drops_by_reason"]] == [str]
+  assert repr(report["drops"]) == "{'g': {'bad_json': 1}}"  # what `bagel-grain demo` prints
 
 
 def test_dropped_keeps_a_short_detail():

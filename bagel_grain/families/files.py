@@ -59,7 +59,11 @@ def numbered_frames(names: Iterable[str], folder: str) -> list[str]:
 
 
 class DiskFiles:
-  """Files under `data_dir`, local or remote (gs://, s3://); nothing outside it is read."""
+  """Files under `data_dir`, local or remote (gs://, s3://); nothing outside it is read.
+
+  Every byte comes through `read`, and every video through `open_video`: the one
+  place for checks on what a file may be before it is read.
+  """
 
   def __init__(self, data_dir: str):
     self.data_dir = data_dir

@@ -24,7 +24,8 @@ class PackingStats:
     self.image_tokens += image_tokens
 
   def dropped(self, group: int, reason: str) -> None:
-    self.drops[self._names[group]][reason] += 1
+    # A DropReason counts under its plain value: reports print and dump as plain strings.
+    self.drops[self._names[group]][str(reason)] += 1
 
   def noted(self, group: int, notes: Sequence[str]) -> None:
     for note in notes:
