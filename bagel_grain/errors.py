@@ -35,3 +35,7 @@ class GroupExhaustedError(BagelGrainError):
 
 class StateMismatchError(BagelGrainError):
   """A saved iterator state belongs to a differently shaped stream."""
+
+
+class UnsupportedOperationError(BagelGrainError, TypeError):
+  """A Grain operation that cannot apply to the packed stream; says what to use instead."""

@@ -1,12 +1,13 @@
-"""The builder: config -> per-group MapDatasets -> MixPack IterDataset -> batches of rows.
+"""The builder: config -> per-group MapDatasets -> mixing -> packing -> batching.
 
 Reads like the data's path: source, epoch shuffle and process shard, family
-transform, sample preparation, then the packer and the batcher.
+transform, sample preparation, then the three packer stages (docs/architecture.md).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import json
 from typing import Any
@@ -18,7 +19,11 @@ from bagel_grain import images
 from bagel_grain.config import PipelineConfig
 from bagel_grain.families.base import FamilyTransform
 from bagel_grain.packing.layout import Geometry
-from bagel_grain.packing.mixpack import MixPackDataset, MixPackIterator, PackingSpec
+from bagel_grain.packing.batch import BatchDataset, BatchIterator
+from bagel_grain.packing.drop_policy import DropPolicy
+from bagel_grain.packing.fetch import Fetcher
+from bagel_grain.packing.mix import MixDataset, MixSpec, read_ahead
+from bagel_grain.packing.pack import PackDataset, PackSpec
 from bagel_grain.packing.prepare import PrepareSample
 from bagel_grain.packing.row import Capacities, default_capacities
 from bagel_grain.sources.records import ConcatSource, ShuffledRecords
@@ -55,6 +60,26 @@ def family_transform(cfg: PipelineConfig, group: int, tokenizer) -> FamilyTransf
   return g.family.make_transform(g, **common)
 
 
+def group_records(cfg: PipelineConfig, group: int, *, seed: int, process_index: int = 0,
+                  process_count: int = 1) -> ShuffledRecords:
+  """One group's records of this process, reshuffled each epoch; `seed` orders them."""
+  return ShuffledRecords(group_source(cfg, group), seed=group_seed(seed, group),
+                         process_index=process_index, process_count=process_count,
+                         num_epochs=cfg.num_epochs)
+
+
+def prepared_samples(cfg: PipelineConfig, group: int, tokenizer, records: ShuffledRecords, *,
+                     seed: int) -> grain.MapDataset:
+  """The records through the group's family transform and the sample layout; `seed`
+  makes every random choice."""
+  geometry = Geometry(cfg.vit_patch_size, cfg.vae_image_downsample, cfg.max_num_patch_per_side,
+                      cfg.max_latent_size, cfg.interpolate_pos)
+  prepare = PrepareSample(seed, geometry, tokenizer.special, cfg.text_cond_dropout_prob,
+                          cfg.vit_cond_dropout_prob, cfg.vae_cond_dropout_prob)
+  family = family_transform(cfg, group, tokenizer)
+  return records.random_map(family, seed=group_seed(seed, group)).map(prepare)
+
+
 def group_dataset(cfg: PipelineConfig, group: int, tokenizer, *, seed: int,
                   order_seed: int | None = None, process_index: int = 0,
                   process_count: int = 1) -> grain.MapDataset:
@@ -62,16 +87,9 @@ def group_dataset(cfg: PipelineConfig, group: int, tokenizer, *, seed: int,
 
   `order_seed` (default `seed`) orders the records; `seed` makes every random choice.
   """
-  gseed = group_seed(seed, group)
-  records = ShuffledRecords(group_source(cfg, group),
-                            seed=group_seed(seed if order_seed is None else order_seed, group),
-                            process_index=process_index, process_count=process_count,
-                            num_epochs=cfg.num_epochs)
-  geometry = Geometry(cfg.vit_patch_size, cfg.vae_image_downsample, cfg.max_num_patch_per_side,
-                      cfg.max_latent_size, cfg.interpolate_pos)
-  prepare = PrepareSample(seed, geometry, tokenizer.special, cfg.text_cond_dropout_prob,
-                          cfg.vit_cond_dropout_prob, cfg.vae_cond_dropout_prob)
-  return records.random_map(family_transform(cfg, group, tokenizer), seed=gseed).map(prepare)
+  records = group_records(cfg, group, seed=seed if order_seed is None else order_seed,
+                          process_index=process_index, process_count=process_count)
+  return prepared_samples(cfg, group, tokenizer, records, seed=seed)
 
 
 def capacities(cfg: PipelineConfig) -> Capacities:
@@ -100,68 +118,53 @@ def fingerprint(cfg: PipelineConfig, tokenizer, *, seed: int, process_index: int
           "process_count": int(process_count)}
 
 
-def build_packer(cfg: PipelineConfig, tokenizer, *, seed: int | None = None,
-                 process_index: int = 0, process_count: int = 1,
-                 workers: int | None = None, batch_size: int | None = None) -> MixPackDataset:
-  """The stream of packed rows (`batch_size` None) or of batches of rows."""
-  order_seed, seed = stream_seeds(cfg, seed)
-  if cfg.allow_truncated_images:
-    images.enable_truncated_images()  # process-wide Pillow switch, applied at build time
-  groups = [group_dataset(cfg, g, tokenizer, seed=seed, order_seed=order_seed,
-                          process_index=process_index, process_count=process_count)
-            for g in range(len(cfg.groups))]
-  spec = PackingSpec(
-      group_names=tuple(g.name for g in cfg.groups),
-      weights=tuple(g.weight for g in cfg.groups),
-      mandatory=tuple(g.is_mandatory for g in cfg.groups),
-      records_per_epoch=tuple(_records_per_epoch(ds) for ds in groups),
-      expected_num_tokens=cfg.expected_num_tokens,
-      max_num_tokens=cfg.max_num_tokens,
-      max_num_tokens_per_sample=cfg.max_num_tokens_per_sample,
-      prefer_buffer_before=cfg.prefer_buffer_before,
-      max_buffer_size=cfg.max_buffer_size,
-      capacities=capacities(cfg),
-      seed=seed,
-      process_index=process_index,
-      max_consecutive_drops=cfg.max_consecutive_drops,
-      bad_record_window=cfg.bad_record_window,
-      max_bad_ratio=cfg.max_bad_ratio,
-      fingerprint=fingerprint(cfg, tokenizer, seed=seed, process_index=process_index,
-                              process_count=process_count),
-      workers=cfg.num_workers if workers is None else workers)
-  return MixPackDataset(groups, spec, batch_size)
-
-
-def _records_per_epoch(ds: grain.MapDataset) -> int:
-  """Records per epoch of a group dataset built by `group_dataset`."""
-  while not isinstance(ds, ShuffledRecords):
-    ds = ds._parent  # pylint: disable=protected-access
-  return ds.records_per_epoch
-
-
 def build_pipeline(cfg: PipelineConfig, tokenizer, *, seed: int | None = None,
                    process_index: int = 0, process_count: int = 1,
-                   batch_size: int | None = None,
-                   workers: int | None = None) -> grain.IterDataset:
-  """The Grain dataset of batches: dicts of `[batch_size, ...]` numpy arrays + `sample_keys`.
+                   batch_size: int | None = None, workers: int | None = None) -> BatchDataset:
+  """The Grain dataset of batches: `PackedBatch` dicts of `[batch_size, ...]` numpy arrays.
 
   The stream is a pure function of (config, tokenizer, seed, process_index,
   process_count); `workers` (default: the config's `num_workers`) only sets how
   many processes decode ahead. `batch_size` defaults to the config's (NeMo's
   `step_scheduler.local_batch_size`), rows per batch of this process.
   """
-  return build_packer(cfg, tokenizer, seed=seed, process_index=process_index,
-                      process_count=process_count, workers=workers,
-                      batch_size=cfg.batch_size if batch_size is None else batch_size)
+  order_seed, seed = stream_seeds(cfg, seed)
+  if cfg.allow_truncated_images:
+    images.enable_truncated_images()  # process-wide Pillow switch, applied at build time
+  records = [group_records(cfg, g, seed=order_seed, process_index=process_index,
+                           process_count=process_count) for g in range(len(cfg.groups))]
+  groups = [prepared_samples(cfg, g, tokenizer, records[g], seed=seed)
+            for g in range(len(cfg.groups))]
+  caps = capacities(cfg)
+  workers = cfg.num_workers if workers is None else workers
+  weights = tuple(g.weight for g in cfg.groups)
+  mandatory = tuple(g.is_mandatory for g in cfg.groups)
+  mixed = MixDataset(groups, MixSpec(
+      group_names=tuple(g.name for g in cfg.groups), weights=weights,
+      records_per_epoch=tuple(r.records_per_epoch for r in records), seed=seed,
+      process_index=process_index, drops=DropPolicy(
+          max_num_tokens_per_sample=cfg.max_num_tokens_per_sample, capacities=caps,
+          max_consecutive_drops=cfg.max_consecutive_drops,
+          bad_record_window=cfg.bad_record_window, max_bad_ratio=cfg.max_bad_ratio)),
+      fetcher=functools.partial(Fetcher, workers=workers,
+                                depths=read_ahead(weights, mandatory, workers)))
+  rows = PackDataset(mixed, PackSpec(
+      mandatory=mandatory, expected_num_tokens=cfg.expected_num_tokens,
+      max_num_tokens=cfg.max_num_tokens, prefer_buffer_before=cfg.prefer_buffer_before,
+      max_buffer_size=cfg.max_buffer_size, capacities=caps))
+  return BatchDataset(rows, batch_size=cfg.batch_size if batch_size is None else batch_size,
+                      capacities=caps, fingerprint=fingerprint(
+                          cfg, tokenizer, seed=seed, process_index=process_index,
+                          process_count=process_count))
 
 
-def packer_iterator(iterator: grain.DatasetIterator) -> MixPackIterator:
-  """The MixPack iterator inside a pipeline iterator (for `stats()`)."""
-  while not isinstance(iterator, MixPackIterator):
-    iterator = iterator._parent  # pylint: disable=protected-access
-  return iterator
+def pipeline_stats(iterator: BatchIterator) -> dict[str, Any]:
+  """The packer's counters (drawn, packed, dropped by reason, epochs) of a running pipeline.
 
-
-def pipeline_stats(iterator: grain.DatasetIterator) -> dict[str, Any]:
-  """The packer's counters (drawn, packed, dropped by reason, epochs) of a running pipeline."""
-  return packer_iterator(iterator).stats()
+  Takes the iterator of `build_pipeline`'s dataset (the same as `iterator.stats()`).
+  """
+  if not isinstance(iterator, BatchIterator):
+    raise TypeError(f"pipeline_stats takes the iterator of build_pipeline's dataset, not a "
+                    f"{type(iterator).__name__}: keep that iterator (transformations on top "
+                    "make new ones) and call its stats()")
+  return iterator.stats()

@@ -10,67 +10,43 @@ import pytest
 
 from bagel_grain import build_pipeline, pipeline_stats
 from bagel_grain.errors import GroupExhaustedError, StateMismatchError
+from resume import assert_resumes_identically, assert_same_elements, take
 
 
-def take(it, n):
-  return [next(it) for _ in range(n)]
-
-
-def assert_same_batches(a, b):
-  assert len(a) == len(b)
-  for x, y in zip(a, b):
-    assert x.keys() == y.keys()
-    assert x["sample_keys"] == y["sample_keys"]
-    for name in x:
-      if name != "sample_keys":
-        np.testing.assert_array_equal(x[name], y[name], err_msg=name)
+def pipeline(cfg, tokenizer, **kwargs):
+  """A maker of pipeline iterators, one row per batch unless told."""
+  return lambda: iter(build_pipeline(cfg, tokenizer, **{"batch_size": 1, "workers": 0,
+                                                         **kwargs}))
 
 
 @pytest.fixture(scope="module")
 def reference(demo_config, demo_tokenizer):
   """The uninterrupted run: 30 batches of one row, in-process decoding."""
-  it = iter(build_pipeline(demo_config, demo_tokenizer, batch_size=1, workers=0))
-  try:
-    yield take(it, 30)
-  finally:
-    it.close()
+  with pipeline(demo_config, demo_tokenizer)() as it:
+    return take(it, 30)
 
 
-def resume_after(cfg, tokenizer, k, *, workers_before, workers_after, n=20):
-  it = iter(build_pipeline(cfg, tokenizer, batch_size=1, workers=workers_before))
-  take(it, k)
-  state = json.loads(json.dumps(it.get_state()))  # as Orbax would store it
-  it.close()
-  resumed = iter(build_pipeline(cfg, tokenizer, batch_size=1, workers=workers_after))
-  resumed.set_state(state)
-  try:
-    return take(resumed, n), state
-  finally:
-    resumed.close()
-
-
-@pytest.mark.parametrize("k", [0, 3, 9])
-def test_resume_continues_bit_identically(demo_config, demo_tokenizer, reference, k):
-  batches, state = resume_after(demo_config, demo_tokenizer, k, workers_before=0,
-                                workers_after=0)
-  assert_same_batches(batches, reference[k:k + 20])
-  assert len(json.dumps(state)) < 16 * 1024
+def test_resume_continues_bit_identically(demo_config, demo_tokenizer, reference):
+  run = assert_resumes_identically(pipeline(demo_config, demo_tokenizer), steps=30,
+                                   at=[0, 3, 9, 29], max_state_bytes=16 * 1024)
+  assert_same_elements(run, reference)
 
 
 def test_resume_across_worker_counts(demo_config, demo_tokenizer, reference):
   # Saved under 2 worker processes, restored in-process, and the other way round:
   # the stream does not depend on the worker count.
-  batches, _ = resume_after(demo_config, demo_tokenizer, 5, workers_before=2, workers_after=0)
-  assert_same_batches(batches, reference[5:25])
-  batches, _ = resume_after(demo_config, demo_tokenizer, 6, workers_before=0, workers_after=2)
-  assert_same_batches(batches, reference[6:26])
+  in_process, two_workers = (pipeline(demo_config, demo_tokenizer, workers=w) for w in (0, 2))
+  run = assert_resumes_identically(two_workers, steps=12, at=[5], make_restored=in_process)
+  assert_same_elements(run, reference[:12])
+  assert_resumes_identically(in_process, steps=12, at=[6], make_restored=two_workers)
 
 
 def test_same_seed_same_stream_other_seed_other_stream(demo_config, demo_tokenizer, reference):
-  it = iter(build_pipeline(demo_config, demo_tokenizer, batch_size=1, workers=0))
-  assert_same_batches(take(it, 5), reference[:5])
-  other = iter(build_pipeline(demo_config, demo_tokenizer, batch_size=1, workers=0, seed=7))
-  assert [b["sample_keys"] for b in take(other, 5)] != [b["sample_keys"] for b in reference[:5]]
+  with pipeline(demo_config, demo_tokenizer)() as it:
+    assert_same_elements(take(it, 5), reference[:5])
+  with pipeline(demo_config, demo_tokenizer, seed=7)() as other:
+    assert [b["sample_keys"] for b in take(other, 5)] != [
+        b["sample_keys"] for b in reference[:5]]
 
 
 def test_processes_read_disjoint_records(demo_config, demo_tokenizer):
@@ -168,3 +144,16 @@ def test_state_saved_by_release_0_1_restores_to_the_same_batches(demo_config, de
         saved["next_batch_sha256"]
   finally:
     it.close()
+
+
+def test_pipeline_stats_takes_the_pipelines_own_iterator(demo_config, demo_tokenizer):
+  ds = build_pipeline(demo_config, demo_tokenizer, batch_size=1, workers=0)
+  with iter(ds) as it:
+    next(it)
+    assert pipeline_stats(it) == it.stats() and it.stats()["rows"] == 1
+  mapped = iter(ds.map(lambda batch: batch))
+  try:
+    with pytest.raises(TypeError, match="keep that iterator"):
+      pipeline_stats(mapped)
+  finally:
+    mapped.close()

@@ -1,4 +1,9 @@
-"""The packer's counters: what was drawn, packed and dropped, per group and reason."""
+"""The stages' counters: what mixing drew and dropped, what packing put into rows.
+
+Plain JSON, saved in the iterator state so they survive a restore. Each stage
+counts its own; the state keeps them in one `stats` dict (the layout of state
+version 1), where `counts` holds per group `drawn` (mixing) and `packed` (packing).
+"""
 
 from __future__ import annotations
 
@@ -6,21 +11,18 @@ import collections
 from typing import Any, Sequence
 
 
-class PackingStats:
-  """Plain-JSON counters, saved in the iterator state so they survive a restore."""
+class DrawCounts:
+  """The mixing stage's counters: records drawn and dropped per group, notes, decode work."""
 
   def __init__(self, group_names: Sequence[str]):
     self._names = tuple(group_names)
-    self.rows = 0
-    self.tokens = 0
     self.image_tokens = 0  # decode work of the usable samples drawn (see PreparedSample)
-    self.counts = {name: collections.Counter() for name in self._names}  # drawn, packed
+    self.drawn_by = collections.Counter()
     self.drops = {name: collections.Counter() for name in self._names}
     self.notes = {name: collections.Counter() for name in self._names}
-    self.missing_mandatory = collections.Counter()
 
   def drawn(self, group: int, image_tokens: int = 0) -> None:
-    self.counts[self._names[group]]["drawn"] += 1
+    self.drawn_by[self._names[group]] += 1
     self.image_tokens += image_tokens
 
   def dropped(self, group: int, reason: str) -> None:
@@ -31,44 +33,80 @@ class PackingStats:
     for note in notes:
       self.notes[self._names[group]][note] += 1
 
-  def row(self, members, tokens: int, missing: Sequence[int]) -> None:
+  def to_json(self) -> dict[str, Any]:
+    return {"image_tokens": self.image_tokens,
+            "counts": {name: {"drawn": self.drawn_by[name]} if self.drawn_by[name] else {}
+                       for name in self._names},
+            "drops": {k: dict(v) for k, v in self.drops.items()},
+            "notes": {k: dict(v) for k, v in self.notes.items()}}
+
+  @classmethod
+  def from_json(cls, group_names: Sequence[str], stats: dict[str, Any]) -> DrawCounts:
+    """Its counters out of a state's `stats` (the other stage's keys are left alone)."""
+    out = cls(group_names)
+    out.image_tokens = int(stats["image_tokens"])
+    for name, counts in stats["counts"].items():
+      if "drawn" in counts:
+        out.drawn_by[name] = int(counts["drawn"])
+    for field in ("drops", "notes"):
+      for name, counter in stats[field].items():
+        getattr(out, field)[name].update({k: int(v) for k, v in counter.items()})
+    return out
+
+
+class RowCounts:
+  """The packing stage's counters: rows, tokens, samples packed, mandatory groups missed."""
+
+  def __init__(self, group_names: Sequence[str]):
+    self._names = tuple(group_names)
+    self.rows = 0
+    self.tokens = 0
+    self.packed_by = collections.Counter()
+    self.missing_mandatory = collections.Counter()
+
+  def row(self, groups: Sequence[int], tokens: int, missing: Sequence[int]) -> None:
+    """A row of samples from `groups` (one entry per sample), lacking the groups `missing`."""
     self.rows += 1
     self.tokens += tokens
-    for s in members:
-      self.counts[self._names[s.key.group]]["packed"] += 1
+    for g in groups:
+      self.packed_by[self._names[g]] += 1
     for g in missing:
       self.missing_mandatory[self._names[g]] += 1
 
   def to_json(self) -> dict[str, Any]:
-    return {
-        "rows": self.rows,
-        "tokens": self.tokens,
-        "image_tokens": self.image_tokens,
-        "counts": {k: dict(v) for k, v in self.counts.items()},
-        "drops": {k: dict(v) for k, v in self.drops.items()},
-        "notes": {k: dict(v) for k, v in self.notes.items()},
-        "missing_mandatory": dict(self.missing_mandatory),
-    }
+    return {"rows": self.rows, "tokens": self.tokens,
+            "counts": {name: {"packed": self.packed_by[name]} if self.packed_by[name] else {}
+                       for name in self._names},
+            "missing_mandatory": dict(self.missing_mandatory)}
 
   @classmethod
-  def from_json(cls, group_names: Sequence[str], state: dict[str, Any]) -> PackingStats:
-    stats = cls(group_names)
-    stats.rows, stats.tokens = int(state["rows"]), int(state["tokens"])
-    stats.image_tokens = int(state["image_tokens"])
-    for field in ("counts", "drops", "notes"):
-      for name, counter in state[field].items():
-        getattr(stats, field)[name].update({k: int(v) for k, v in counter.items()})
-    stats.missing_mandatory.update({k: int(v) for k, v in state["missing_mandatory"].items()})
-    return stats
-
-  def report(self) -> dict[str, Any]:
-    """Counters plus totals: drawn, packed and dropped over all groups."""
-    out = self.to_json()
-    out["drawn"] = sum(c["drawn"] for c in self.counts.values())
-    out["packed"] = sum(c["packed"] for c in self.counts.values())
-    out["dropped"] = sum(sum(d.values()) for d in self.drops.values())
-    by_reason = collections.Counter()
-    for d in self.drops.values():
-      by_reason.update(d)
-    out["drops_by_reason"] = dict(by_reason)
+  def from_json(cls, group_names: Sequence[str], stats: dict[str, Any]) -> RowCounts:
+    """Its counters out of a state's `stats` (the other stage's keys are left alone)."""
+    out = cls(group_names)
+    out.rows, out.tokens = int(stats["rows"]), int(stats["tokens"])
+    for name, counts in stats["counts"].items():
+      if "packed" in counts:
+        out.packed_by[name] = int(counts["packed"])
+    out.missing_mandatory.update({k: int(v) for k, v in stats["missing_mandatory"].items()})
     return out
+
+
+def merged(draws: dict[str, Any], rows: dict[str, Any]) -> dict[str, Any]:
+  """The state's `stats`: both stages' counters, `counts` joined per group."""
+  counts = {name: {**draws["counts"][name], **rows["counts"][name]} for name in draws["counts"]}
+  return {"rows": rows["rows"], "tokens": rows["tokens"], "image_tokens": draws["image_tokens"],
+          "counts": counts, "drops": draws["drops"], "notes": draws["notes"],
+          "missing_mandatory": rows["missing_mandatory"]}
+
+
+def report(stats: dict[str, Any]) -> dict[str, Any]:
+  """The counters plus totals: drawn, packed and dropped over all groups, drops by reason."""
+  out = dict(stats)
+  out["drawn"] = sum(c.get("drawn", 0) for c in stats["counts"].values())
+  out["packed"] = sum(c.get("packed", 0) for c in stats["counts"].values())
+  out["dropped"] = sum(sum(d.values()) for d in stats["drops"].values())
+  by_reason = collections.Counter()
+  for d in stats["drops"].values():
+    by_reason.update(d)
+  out["drops_by_reason"] = dict(by_reason)
+  return out

@@ -1,0 +1,111 @@
+"""Batching: each packed row written straight into its slot of a static-shape batch.
+
+Rows are written in place (pixels are copied once, from the sample into the
+batch). Each batch carries `sample_keys` per row; a finite stream's last batch is
+padded with empty rows. This is the pipeline's outer stage: its state is the
+packing stage's, sealed with a version and the stream's fingerprint.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NoReturn, Sequence
+
+import grain
+
+from bagel_grain.errors import UnsupportedOperationError
+from bagel_grain.packed_row import PackedBatch
+from bagel_grain.packing import state as envelope
+from bagel_grain.packing.pack import PackDataset, PackIterator
+from bagel_grain.packing.prepare import PreparedSample
+from bagel_grain.packing.row import Capacities, batch_row, empty_row, write_row
+from bagel_grain.packing.stage import StageIterator
+
+SampleKeys = tuple[tuple[str, int, int, str], ...]
+
+
+class BatchDataset(grain.IterDataset):
+  """Batches of `batch_size` packed rows: `PackedBatch` dicts of numpy arrays.
+
+  Grain operations that would take the stream apart refuse with what to use instead.
+  """
+
+  def __init__(self, rows: PackDataset, *, batch_size: int, capacities: Capacities,
+               fingerprint: dict[str, Any]):
+    super().__init__(rows)
+    if batch_size < 1:
+      raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+    self.batch_size = batch_size
+    self.capacities = capacities
+    self.fingerprint = dict(fingerprint)
+
+  def __iter__(self) -> BatchIterator:
+    return BatchIterator(self._parent.__iter__(), batch_size=self.batch_size,
+                         capacities=self.capacities, fingerprint=self.fingerprint)
+
+  def __str__(self) -> str:
+    return f"BatchDataset(batch_size={self.batch_size})"
+
+  def mp_prefetch(self, *args, **kwargs) -> NoReturn:
+    raise UnsupportedOperationError(
+        "the packed stream cannot run under Grain's mp_prefetch: the packer's state lives in "
+        "one process. For decoding in worker processes pass `workers=N` to build_pipeline "
+        "(or set `num_workers` in the config); the stream stays the same for any N.")
+
+  def batch(self, *args, **kwargs) -> NoReturn:
+    raise UnsupportedOperationError(
+        "the packed stream is already batched, into static shapes: pass `batch_size=` to "
+        "build_pipeline (or set `batch_size` in the config) instead of calling .batch().")
+
+  def __getitem__(self, index) -> NoReturn:
+    raise UnsupportedOperationError(
+        f"the packed stream has no random access (ds[{index!r}]; also grain.DataLoader's "
+        "data_source): each row depends on every draw before it. Iterate it instead, e.g. "
+        "`itertools.islice(iter(ds), 3)`, and use get_state()/set_state() to come back to a "
+        "position.")
+
+
+class BatchIterator(StageIterator):
+  """Batches from a `PackIterator`; `stats()` reports the pipeline's counters."""
+
+  def __init__(self, rows: PackIterator, *, batch_size: int, capacities: Capacities,
+               fingerprint: dict[str, Any]):
+    super().__init__(rows)
+    self._rows = rows
+    self._batch_size = batch_size
+    self._capacities = capacities
+    self._fingerprint = dict(fingerprint)
+
+  def __next__(self) -> PackedBatch:
+    self._assert_not_closed()
+    return self._own_time(self._next_batch)
+
+  def _next_batch(self) -> PackedBatch:
+    batch = empty_row(self._capacities, (self._batch_size,))
+    keys = []
+    for b in range(self._batch_size):
+      members = self._waiting(next, self._rows, None)
+      if members is None:
+        if b == 0:
+          raise StopIteration
+        break  # a finite stream's last batch: the remaining rows stay empty
+      write_row(batch_row(batch, b), [s.layout for s in members])
+      keys.append(self._keys(members))
+    batch["sample_keys"] = keys + [()] * (self._batch_size - len(keys))
+    return batch
+
+  def _keys(self, members: Sequence[PreparedSample]) -> SampleKeys:
+    names = self._rows.group_names
+    return tuple((names[s.key.group], s.key.index, s.key.epoch, s.key.record) for s in members)
+
+  def get_state(self) -> dict[str, Any]:
+    return envelope.sealed(self._rows.get_state(), self._fingerprint)
+
+  def set_state(self, state: dict[str, Any]) -> None:
+    self._rows.set_state(envelope.opened(state, self._fingerprint))
+
+  def stats(self) -> dict[str, Any]:
+    """The packer's counters (drawn, packed, dropped by reason, epochs); see PackIterator."""
+    return self._rows.stats()
+
+  def __str__(self) -> str:
+    return f"BatchIterator(batch_size={self._batch_size})"

@@ -1,0 +1,200 @@
+"""Weighted mixing: which group each draw takes, and each group's next usable sample.
+
+Each group's MapDataset is read in index order through a fetcher (in-process, or
+worker processes computing ahead). A weighted draw picks among the groups not
+yet exhausted with an RNG keyed by (seed, process, draw number), so no draw
+depends on how many came before it in any other way. Elements the drop policy
+refuses are counted and replaced by the group's next one.
+
+State: each group's next element index and the draw counter, plus the counters
+of what was drawn and dropped.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import weakref
+from typing import Any, Callable, Protocol, Sequence
+
+import grain
+import numpy as np
+
+from bagel_grain.drops import Dropped
+from bagel_grain.errors import StateMismatchError
+from bagel_grain.packing.drop_policy import BadRecordLimits, DropPolicy
+from bagel_grain.packing.fetch import Fetcher
+from bagel_grain.packing.prepare import PreparedSample
+from bagel_grain.packing.stage import StageIterator
+from bagel_grain.packing.stats import DrawCounts
+
+_DRAW_STREAM = 0xD7A3  # separates group draws from every other use of the seed
+
+# How far past each group's next index the fetcher keeps elements in flight.
+MIN_READ_AHEAD = 2  # any group may be drawn next: its next elements are always under way
+# Shared among the groups by weight. A worker holds up to 4 jobs (fetch._JOBS_PER_WORKER);
+# twice that per worker keeps every worker busy while the packer takes finished results.
+READ_AHEAD_PER_WORKER = 8
+MANDATORY_READ_AHEAD = 1  # a mandatory group is also read once per row, whatever its weight
+
+
+def read_ahead(weights: Sequence[float], mandatory: Sequence[bool], workers: int) -> list[int]:
+  """Per group, how many elements past its next one the fetcher computes ahead."""
+  total = sum(weights) or 1.0
+  return [MIN_READ_AHEAD + int(READ_AHEAD_PER_WORKER * workers * w / total)
+          + MANDATORY_READ_AHEAD * int(m) for w, m in zip(weights, mandatory)]
+
+
+class ElementFetcher(Protocol):
+  """Elements of the groups' MapDatasets by (group, index); see `packing.fetch.Fetcher`."""
+
+  def get(self, group: int, index: int) -> Any: ...
+
+  def get_many(self, keys: Sequence[tuple[int, int]]) -> list[Any]: ...
+
+  def reset(self) -> None: ...
+
+  def close(self) -> None: ...
+
+
+FetcherFactory = Callable[[Sequence[grain.MapDataset]], ElementFetcher]
+
+
+def inline_fetcher(groups: Sequence[grain.MapDataset]) -> Fetcher:
+  """Computes every element in the calling process, when it is asked for."""
+  return Fetcher(groups, workers=0, depths=[0] * len(groups))
+
+
+def draw_group(seed: int, process_index: int, draw: int, weights: Sequence[float],
+               active: Sequence[bool]) -> int:
+  """The group of weighted draw number `draw`, from an RNG keyed by (seed, process, draw)."""
+  w = np.where(active, weights, 0.0)
+  u = np.random.default_rng([seed, _DRAW_STREAM, process_index, draw]).random()
+  cumulative = np.cumsum(w) / w.sum()
+  return int(min(np.searchsorted(cumulative, u, side="right"), len(w) - 1))
+
+
+@dataclasses.dataclass(frozen=True)
+class MixSpec:
+  """What the mixing stage decides with; built from the config by the pipeline."""
+
+  group_names: tuple[str, ...]
+  weights: tuple[float, ...]
+  records_per_epoch: tuple[int, ...]
+  seed: int
+  process_index: int
+  drops: DropPolicy
+
+
+class MixDataset(grain.IterDataset):
+  """Usable samples drawn by weight (`next`), or from one group (`MixIterator.next_of`)."""
+
+  def __init__(self, groups: Sequence[grain.MapDataset], spec: MixSpec,
+               fetcher: FetcherFactory = inline_fetcher):
+    super().__init__(list(groups))
+    self._groups = list(groups)
+    self.spec = spec
+    self._fetcher = fetcher
+
+  def __iter__(self) -> MixIterator:
+    return MixIterator(self._groups, self.spec, self._fetcher)
+
+  def __str__(self) -> str:
+    return f"MixDataset(groups={self.spec.group_names})"
+
+
+class MixIterator(StageIterator):
+  """Each group's next usable sample, and weighted draws among the groups."""
+
+  def __init__(self, groups: Sequence[grain.MapDataset], spec: MixSpec,
+               fetcher: FetcherFactory = inline_fetcher):
+    super().__init__()
+    self._groups = list(groups)
+    self._spec = spec
+    self._close_fetcher: Callable[[], Any] = lambda: None  # until there is a fetcher
+    self._fetcher = fetcher(self._groups)
+    # Closes the fetcher at close(), or at interpreter exit while the modules still work.
+    self._close_fetcher = weakref.finalize(self, self._fetcher.close)
+    self._limits = BadRecordLimits(spec.drops, spec.group_names)
+    self._next_index = [0] * len(self._groups)
+    self._draws = 0
+    self._counts = DrawCounts(spec.group_names)
+
+  @property
+  def group_names(self) -> tuple[str, ...]:
+    return self._spec.group_names
+
+  def exhausted(self, group: int) -> bool:
+    return self._next_index[group] >= len(self._groups[group])
+
+  def __next__(self) -> PreparedSample:
+    """A usable sample from a group drawn by weight among those not yet exhausted."""
+    return self._own_time(self._weighted)
+
+  def next_of(self, group: int) -> PreparedSample | None:
+    """The group's next usable sample (drops counted); None once it is exhausted."""
+    return self._own_time(self._usable, group)
+
+  def _weighted(self) -> PreparedSample:
+    spec = self._spec
+    while True:
+      active = [not self.exhausted(g) and w > 0 for g, w in enumerate(spec.weights)]
+      if not any(active):
+        raise StopIteration
+      group = draw_group(spec.seed, spec.process_index, self._draws, spec.weights, active)
+      self._draws += 1
+      sample = self._usable(group)
+      if sample is not None:
+        return sample
+
+  def _usable(self, group: int) -> PreparedSample | None:
+    bad = collections.Counter()
+    while not self.exhausted(group):
+      index = self._next_index[group]
+      self._next_index[group] += 1
+      element = self._waiting(self._fetcher.get, group, index)
+      reason = self._spec.drops.reason(element)
+      self._limits.check_window(group, reason, element.key.record)
+      if reason is None:
+        self._counts.drawn(group, element.image_tokens)
+        self._counts.noted(group, element.notes)
+        return element
+      self._counts.drawn(group)
+      self._counts.dropped(group, reason)
+      bad[reason] += 1
+      self._limits.check_consecutive(group, bad, element.key.record)
+    return None
+
+  def recreate(self, keys: Sequence[Sequence[int]]) -> list[PreparedSample]:
+    """Samples drawn before a restore, re-created from their (group, index) keys."""
+    samples = self._fetcher.get_many([(int(g), int(i)) for g, i in keys])
+    for (g, i), s in zip(keys, samples):
+      if not isinstance(s, PreparedSample):
+        raise StateMismatchError(f"group {self._spec.group_names[g]!r} element {i} was a "
+                                 "packable sample when the state was saved and is not now: "
+                                 "the data changed under the checkpoint")
+    return samples
+
+  def epochs(self) -> dict[str, int]:
+    """Per group, the epoch of the last element drawn."""
+    return {name: max(0, self._next_index[g] - 1) // n
+            for g, (name, n) in enumerate(zip(self._spec.group_names,
+                                              self._spec.records_per_epoch))}
+
+  def get_state(self) -> dict[str, Any]:
+    return {"next_index": list(self._next_index), "draws": self._draws,
+            "stats": self._counts.to_json()}
+
+  def set_state(self, state: dict[str, Any]) -> None:
+    self._fetcher.reset()
+    self._limits = BadRecordLimits(self._spec.drops, self._spec.group_names)
+    self._next_index = [int(i) for i in state["next_index"]]
+    self._draws = int(state["draws"])
+    self._counts = DrawCounts.from_json(self._spec.group_names, state["stats"])
+
+  def close(self) -> None:
+    self._close_fetcher()
+    super().close()
+
+  def __str__(self) -> str:
+    return f"MixIterator(groups={self._spec.group_names})"

@@ -1,0 +1,162 @@
+"""Greedy row packing: BAGEL's buffer rules over the mixing stage's samples.
+
+Per row (docs/design.md, section 5): carried samples first, then one sample of each
+mandatory group, then buffered samples while the row is short of
+`prefer_buffer_before`, else weighted draws, until the row holds
+`expected_num_tokens`. Unlike upstream, no sample is ever lost (a sample that
+cannot be buffered is carried to the next row) and a row never exceeds a
+capacity. Each element is one row: its samples, in order.
+
+State: the keys of the buffered and carried samples (re-created by random
+access on restore), plus the row counters; the mixing stage's state beside it.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+from typing import Any, Sequence
+
+import grain
+
+from bagel_grain.packing import stats
+from bagel_grain.packing.mix import MixDataset, MixIterator
+from bagel_grain.packing.prepare import PreparedSample
+from bagel_grain.packing.row import Capacities, RowBuilder
+from bagel_grain.packing.stage import StageIterator
+from bagel_grain.packing.stats import RowCounts
+
+
+@dataclasses.dataclass(frozen=True)
+class PackSpec:
+  """What the packing stage decides with; built from the config by the pipeline."""
+
+  mandatory: tuple[bool, ...]
+  expected_num_tokens: int
+  max_num_tokens: int
+  prefer_buffer_before: int
+  max_buffer_size: int
+  capacities: Capacities
+
+
+class PackDataset(grain.IterDataset):
+  """Rows of samples (tuples of `PreparedSample`) packed from a `MixDataset`."""
+
+  def __init__(self, mixed: MixDataset, spec: PackSpec):
+    super().__init__(mixed)
+    self.spec = spec
+
+  def __iter__(self) -> PackIterator:
+    return PackIterator(self._parent.__iter__(), self.spec)
+
+  def __str__(self) -> str:
+    return "PackDataset"
+
+
+class PackIterator(StageIterator):
+  """The buffer, the carried samples and the row being filled; see the module docstring."""
+
+  def __init__(self, mix: MixIterator, spec: PackSpec):
+    super().__init__(mix)
+    self._mix = mix
+    self._spec = spec
+    self._row = RowBuilder(spec.capacities)  # what the row being filled occupies
+    self._buffer: collections.deque[PreparedSample] = collections.deque()
+    self._carried: collections.deque[PreparedSample] = collections.deque()
+    self._counts = RowCounts(mix.group_names)
+
+  @property
+  def group_names(self) -> tuple[str, ...]:
+    return self._mix.group_names
+
+  def __next__(self) -> tuple[PreparedSample, ...]:
+    return self._own_time(self._next_row)
+
+  def _next_row(self) -> tuple[PreparedSample, ...]:
+    self._row.reset()
+    members: list[PreparedSample] = []
+    self._take_carried(members)
+    self._take_mandatory(members)
+    self._fill(members)
+    if not members:
+      raise StopIteration
+    groups = [s.key.group for s in members]
+    self._counts.row(groups, self._row.used_tokens, missing=[
+        g for g, m in enumerate(self._spec.mandatory)
+        if m and not self._mix.exhausted(g) and g not in groups])
+    return tuple(members)
+
+  def _fits(self, s: PreparedSample) -> bool:
+    return (self._row.used_tokens + s.packed_size <= self._spec.max_num_tokens
+            and self._row.fits(s.layout))
+
+  def _add(self, s: PreparedSample, members: list[PreparedSample]) -> None:
+    self._row.add(s.layout)
+    members.append(s)
+
+  def _take_carried(self, members: list[PreparedSample]) -> None:
+    """Carried samples that fit open the row; the others wait for the next."""
+    waiting = collections.deque()
+    for s in self._carried:
+      if self._fits(s):
+        self._add(s, members)
+      else:
+        waiting.append(s)
+    self._carried = waiting
+
+  def _take_mandatory(self, members: list[PreparedSample]) -> None:
+    """One sample of each mandatory group not in the row or carried; carried if it does
+    not fit."""
+    for group, mandatory in enumerate(self._spec.mandatory):
+      present = {s.key.group for s in members} | {s.key.group for s in self._carried}
+      if not mandatory or group in present:
+        continue
+      s = self._waiting(self._mix.next_of, group)
+      if s is None:
+        continue
+      if self._fits(s):
+        self._add(s, members)
+      else:
+        self._carried.append(s)
+
+  def _fill(self, members: list[PreparedSample]) -> None:
+    """Buffered and drawn samples until the row holds `expected_num_tokens`."""
+    spec = self._spec
+    while self._row.used_tokens < spec.expected_num_tokens:
+      from_buffer = bool(self._buffer) and self._row.used_tokens < spec.prefer_buffer_before
+      s = self._buffer.popleft() if from_buffer else self._waiting(next, self._mix, None)
+      if s is None:  # every group exhausted (finite epochs): drain the buffer
+        if not self._buffer:
+          return
+        s, from_buffer = self._buffer.popleft(), True
+      if self._fits(s):
+        self._add(s, members)
+      elif not from_buffer and len(self._buffer) < spec.max_buffer_size:
+        self._buffer.append(s)
+      else:
+        self._carried.append(s)  # upstream drops it here; we start the next row with it
+        return
+
+  def get_state(self) -> dict[str, Any]:
+    mixed = self._mix.get_state()
+    return {"next_index": mixed["next_index"], "draws": mixed["draws"],
+            "buffer": [[s.key.group, s.key.index] for s in self._buffer],
+            "carried": [[s.key.group, s.key.index] for s in self._carried],
+            "stats": stats.merged(mixed["stats"], self._counts.to_json())}
+
+  def set_state(self, state: dict[str, Any]) -> None:
+    self._mix.set_state(state)
+    self._counts = RowCounts.from_json(self.group_names, state["stats"])
+    self._buffer = collections.deque(self._mix.recreate(state["buffer"]))
+    self._carried = collections.deque(self._mix.recreate(state["carried"]))
+
+  def stats(self) -> dict[str, Any]:
+    """Counters for reports; they add up: drawn = packed + dropped + buffered + carried."""
+    report = stats.report(self.get_state()["stats"])
+    report["buffered"] = len(self._buffer)
+    report["carried"] = len(self._carried)
+    report["epoch"] = self._mix.epochs()
+    return report
+
+  def __str__(self) -> str:
+    return "PackIterator"
