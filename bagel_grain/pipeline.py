@@ -18,10 +18,10 @@ import numpy as np
 from bagel_grain import images
 from bagel_grain.config import PipelineConfig
 from bagel_grain.families.base import FamilyTransform
-from bagel_grain.packing.layout import Geometry
 from bagel_grain.packing.batch import BatchDataset, BatchIterator
 from bagel_grain.packing.drop_policy import DropPolicy
 from bagel_grain.packing.fetch import Fetcher
+from bagel_grain.packing.layout import Geometry
 from bagel_grain.packing.mix import MixDataset, MixSpec, read_ahead
 from bagel_grain.packing.pack import PackDataset, PackSpec
 from bagel_grain.packing.prepare import PrepareSample
