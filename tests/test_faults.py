@@ -4,10 +4,8 @@ Every wait here is under a deadline (signal.alarm, or a child process with a
 timeout), so a hang fails the test instead of stalling CI.
 """
 
-import contextlib
 import json
 import shutil
-import signal
 import subprocess
 import sys
 import textwrap
@@ -19,23 +17,10 @@ import yaml
 
 from bagel_grain.config import config_from_dict
 from bagel_grain.pipeline import build_pipeline, pipeline_stats
+from deadline import deadline
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = ROOT / "configs"
-
-
-@contextlib.contextmanager
-def deadline(seconds: int):
-  """Raises TimeoutError in the main thread after `seconds` (a hang fails, not stalls)."""
-  def expired(signum, frame):
-    raise TimeoutError(f"still running after {seconds} s")
-  previous = signal.signal(signal.SIGALRM, expired)
-  signal.alarm(seconds)
-  try:
-    yield
-  finally:
-    signal.alarm(0)
-    signal.signal(signal.SIGALRM, previous)
 
 
 # The worker-pool tests run in a child process: a hang or a leaked worker there cannot

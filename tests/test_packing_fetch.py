@@ -3,14 +3,12 @@
 Runs its worker processes under a deadline (signal.alarm): a hang fails the test.
 """
 
-import contextlib
-import signal
-
 import numpy as np
 import psutil
 import pytest
 
 from bagel_grain.packing.fetch import Fetcher, WorkerError
+from deadline import deadline
 
 
 class Squares:
@@ -26,19 +24,6 @@ class Squares:
     if index == self.bad:
       raise ValueError(f"element {index} is bad")
     return np.full(3, index * index)
-
-
-@contextlib.contextmanager
-def deadline(seconds):
-  def expired(signum, frame):
-    raise TimeoutError(f"still running after {seconds} s")
-  previous = signal.signal(signal.SIGALRM, expired)
-  signal.alarm(seconds)
-  try:
-    yield
-  finally:
-    signal.alarm(0)
-    signal.signal(signal.SIGALRM, previous)
 
 
 def workers_alive():
