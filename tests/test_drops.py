@@ -8,7 +8,8 @@ import pytest
 from bagel_grain.drops import Drop, Dropped, DropReason, require
 from bagel_grain.images import ImageError
 from bagel_grain.packing.row import Capacities, Usage
-from bagel_grain.packing.stats import PackingStats
+from bagel_grain.packing import stats
+from bagel_grain.packing.stats import DrawCounts, RowCounts
 from bagel_grain.sample import SampleKey
 
 
@@ -20,9 +21,9 @@ def test_a_reason_counts_and_serialises_as_its_plain_name():
 
 
 def test_stats_report_a_reason_under_its_plain_name():
-  stats = PackingStats(["g"])
-  stats.dropped(0, DropReason.BAD_JSON)
-  report = stats.report()
+  draws = DrawCounts(["g"])
+  draws.dropped(0, DropReason.BAD_JSON)
+  report = stats.report(stats.merged(draws.to_json(), RowCounts(["g"]).to_json()))
   assert [type(k) for k in report["drops_by_reason"]] == [str]
   assert repr(report["drops"]) == "{'g': {'bad_json': 1}}"  # what `bagel-grain demo` prints
 
