@@ -21,7 +21,7 @@ def _no_options(group: GroupConfig) -> dict[str, Any]:
   return {}
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, eq=False)  # one object per family: compared by identity
 class Family:
   """What a `grouped_datasets` key means: how its records are read, parsed and converted.
 
