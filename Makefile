@@ -19,14 +19,14 @@ install: $(STAMP)
 	$(VENV)/bin/bagel-grain make-sample-data .demo_data
 
 demo: .demo_data/.complete
-	$(VENV)/bin/bagel-grain demo --config configs/demo.yaml
+	$(VENV)/bin/bagel-grain demo --data .demo_data
 
 .bench_data/.complete: $(STAMP)
 	$(VENV)/bin/bagel-grain make-bench-data .bench_data
 
 # Not part of CI: throughput against the decode+resize floor for 0, 1 and 2 workers.
 bench: .bench_data/.complete
-	$(VENV)/bin/bagel-grain bench --config configs/bench.yaml --workers 0 1 2 \
+	$(VENV)/bin/bagel-grain bench --data .bench_data --workers 0 1 2 \
 	  --seconds 40 --json out/bench.json --plot out/bench.png
 
 test: $(STAMP)

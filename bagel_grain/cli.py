@@ -1,4 +1,8 @@
-"""The `bagel-grain` command: make-sample-data, demo, inspect, make-bench-data, bench, convert."""
+"""The `bagel-grain` command: make-sample-data, demo, inspect, make-bench-data, bench, convert.
+
+Results go to stdout, progress and errors to stderr. An error is one line naming
+what failed (`--debug` shows the traceback instead).
+"""
 
 from __future__ import annotations
 
@@ -20,15 +24,22 @@ def _make_sample_data(args) -> int:
   return 0
 
 
+def _config(args):
+  """The config `--config` names, else the shipped one on the data in `--data`."""
+  # pylint: disable=import-outside-toplevel
+  from bagel_grain.config import load_config
+  from bagel_grain.configs import load_shipped
+  return load_config(args.config) if args.config else load_shipped(args.shipped, args.data)
+
+
 def _demo(args) -> int:
   # pylint: disable=import-outside-toplevel
   from tqdm import tqdm
 
-  from bagel_grain.config import load_config
   from bagel_grain.pipeline import build_pipeline, pipeline_stats
   from bagel_grain.tokenizer import load_tokenizer
 
-  cfg = load_config(args.config)
+  cfg = _config(args)
   tokenizer = load_tokenizer(cfg.tokenizer_path)
   ds = build_pipeline(cfg, tokenizer, batch_size=args.batch_size, workers=args.workers)
   it = iter(ds)
@@ -37,7 +48,7 @@ def _demo(args) -> int:
   start = time.perf_counter()
   first = None
   try:
-    for _ in tqdm(range(args.batches), desc="packing", unit="batch", file=sys.stdout):
+    for _ in tqdm(range(args.batches), desc="packing", unit="batch", file=sys.stderr):
       batch = next(it)
       first = first or time.perf_counter() - start
       L = batch["text_ids"].shape[1]
@@ -54,7 +65,7 @@ def _demo(args) -> int:
     it.close()
 
   rows = len(fills)
-  print(f"\n{rows} rows of L={L} in {elapsed:.1f} s ({rows / elapsed:.2f} rows/s); "
+  print(f"{rows} rows of L={L} in {elapsed:.1f} s ({rows / elapsed:.2f} rows/s); "
         f"first batch {first:.2f} s")
   print(f"fill (real tokens / L): mean {np.mean(fills):.3f}, min {np.min(fills):.3f}, "
         f"max {np.max(fills):.3f}")
@@ -91,10 +102,9 @@ def _make_bench_data(args) -> int:
 def _bench(args) -> int:
   # pylint: disable=import-outside-toplevel
   from bagel_grain import bench
-  from bagel_grain.config import load_config
   from bagel_grain.tokenizer import load_tokenizer
 
-  cfg = load_config(args.config)
+  cfg = _config(args)
   tokenizer = load_tokenizer(cfg.tokenizer_path)
   report = bench.run_bench(cfg, tokenizer, workers=args.workers, seconds=args.seconds,
                            windows=args.windows, batch_size=args.batch_size)
@@ -107,13 +117,14 @@ def _bench(args) -> int:
       json.dump(report, f, indent=1, default=float)
   if args.plot:
     bench.plot(report, args.plot)
+    print(f"wrote {args.plot}")
   return 0
 
 
 def _inspect(args) -> int:
   from bagel_grain.inspect_row import inspect_pipeline_row  # pylint: disable=import-outside-toplevel
   os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-  print(inspect_pipeline_row(args.config, args.out, index=args.index, seed=args.seed))
+  print(inspect_pipeline_row(_config(args), args.out, index=args.index, seed=args.seed))
   print(f"wrote {args.out}")
   return 0
 
@@ -128,49 +139,156 @@ def _convert(args) -> int:
   return 0
 
 
-def main(argv=None) -> int:
-  parser = argparse.ArgumentParser(prog="bagel-grain", description=__doc__)
-  sub = parser.add_subparsers(dest="command", required=True)
-  p = sub.add_parser("make-sample-data", help="write the embedded demo dataset")
-  p.add_argument("dir", nargs="?", default=".demo_data")
-  p.set_defaults(run=_make_sample_data)
-  p = sub.add_parser("demo", help="pack the demo data and report fill, shares and drops")
-  p.add_argument("--config", default="configs/demo.yaml")
-  p.add_argument("--batches", type=int, default=30)
-  p.add_argument("--batch-size", type=int, default=None,
+# -- the parser ----------------------------------------------------------------
+
+
+def _at_least(lowest: int):
+  """An argparse type: an integer >= `lowest`."""
+  def parse(text: str) -> int:
+    try:
+      value = int(text)
+    except ValueError:
+      raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if value < lowest:
+      raise argparse.ArgumentTypeError(f"must be at least {lowest}, got {value}")
+    return value
+  parse.__name__ = f"integer >= {lowest}"
+  return parse
+
+
+def _positive_float(text: str) -> float:
+  try:
+    value = float(text)
+  except ValueError:
+    raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+  if not value > 0:
+    raise argparse.ArgumentTypeError(f"must be above 0, got {text}")
+  return value
+
+
+class _HelpWithDefaults(argparse.HelpFormatter):
+  """Appends "(default: X)" to every option that has a default worth showing."""
+
+  def _get_help_string(self, action):
+    text = action.help or ""
+    default = action.default
+    if default is None or default is False or default == argparse.SUPPRESS or "default:" in text:
+      return text
+    shown = " ".join(map(str, default)) if isinstance(default, list) else "%(default)s"
+    return f"{text} (default: {shown})"
+
+
+def _version() -> str:
+  # pylint: disable=import-outside-toplevel
+  from importlib import metadata
+  try:
+    return metadata.version("bagel_grain")
+  except metadata.PackageNotFoundError:
+    return "unknown (not installed)"
+
+
+def _add_config_options(p: argparse.ArgumentParser, shipped: str) -> None:
+  from bagel_grain.configs import DATA_MAKERS  # pylint: disable=import-outside-toplevel
+  maker = DATA_MAKERS[shipped]
+  default_data = ".demo_data" if shipped == "demo" else ".bench_data"
+  either = p.add_mutually_exclusive_group()
+  either.add_argument("--config", help=f"a config YAML (default: the package's {shipped}.yaml "
+                      "on the data in --data)")
+  either.add_argument("--data", default=default_data,
+                      help=f"the folder `bagel-grain {maker}` wrote, read by the package's "
+                      f"{shipped}.yaml when --config is not given")
+  p.set_defaults(shipped=shipped)
+
+
+def build_parser() -> argparse.ArgumentParser:
+  parser = argparse.ArgumentParser(prog="bagel-grain", description=__doc__.split("\n")[0],
+                                   formatter_class=_HelpWithDefaults)
+  parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}",
+                      help="print the version and exit")
+  common = argparse.ArgumentParser(add_help=False)
+  common.add_argument("--debug", action="store_true",
+                      help="on an error, show the full traceback instead of one line")
+  sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+  def command(name, run, text):
+    p = sub.add_parser(name, help=text, description=text, parents=[common],
+                       formatter_class=_HelpWithDefaults)
+    p.set_defaults(run=run)
+    return p
+
+  p = command("make-sample-data", _make_sample_data, "write the embedded demo dataset")
+  p.add_argument("dir", nargs="?", default=".demo_data", help="the folder to write")
+
+  p = command("demo", _demo, "pack the demo data and report fill, shares and drops")
+  _add_config_options(p, "demo")
+  p.add_argument("--batches", type=_at_least(1), default=30, help="batches to pack")
+  p.add_argument("--batch-size", type=_at_least(1), default=None,
                  help="rows per batch (default: the config's batch_size)")
-  p.add_argument("--workers", type=int, default=None)
-  p.set_defaults(run=_demo)
-  p = sub.add_parser("inspect", help="draw one packed row (bands, mask, images) as a PNG")
-  p.add_argument("--config", default="configs/demo.yaml")
-  p.add_argument("--out", default="out/row.png")
-  p.add_argument("--index", type=int, default=0, help="which packed row of the stream")
-  p.add_argument("--seed", type=int, default=None)
-  p.set_defaults(run=_inspect)
-  p = sub.add_parser("make-bench-data", help="write the benchmark dataset (real photographs)")
-  p.add_argument("dir", nargs="?", default=".bench_data")
-  p.add_argument("--t2i-rows", type=int, default=800)
-  p.add_argument("--edit-rows", type=int, default=200)
-  p.add_argument("--vlm-rows", type=int, default=400)
-  p.set_defaults(run=_make_bench_data)
-  p = sub.add_parser("bench", help="throughput, latency, state and memory against the floor")
-  p.add_argument("--config", default="configs/bench.yaml")
-  p.add_argument("--workers", type=int, nargs="+", default=[0, 1, 2])
-  p.add_argument("--seconds", type=float, default=30.0, help="timed seconds per worker count")
-  p.add_argument("--windows", type=int, default=5)
-  p.add_argument("--batch-size", type=int, default=1)
-  p.add_argument("--json", help="write the full report here")
-  p.add_argument("--plot", help="write a PNG of throughput against worker count")
-  p.set_defaults(run=_bench)
-  p = sub.add_parser("convert", help="convert a config's parquet/JSONL data to ArrayRecord")
-  p.add_argument("--config", required=True)
-  p.add_argument("--out", required=True)
-  p.add_argument("--records-per-shard", type=int, default=4096)
-  p.add_argument("--overwrite", action="store_true")
-  p.add_argument("--threads", type=int, default=16)
-  p.set_defaults(run=_convert)
-  args = parser.parse_args(argv)
-  return args.run(args)
+  p.add_argument("--workers", type=_at_least(0), default=None,
+                 help="decoding worker processes, 0 for none (default: the config's "
+                 "num_workers)")
+
+  p = command("inspect", _inspect, "draw one packed row (bands, mask, images) as a PNG")
+  _add_config_options(p, "demo")
+  p.add_argument("--out", default="out/row.png", help="the PNG to write")
+  p.add_argument("--index", type=_at_least(0), default=0,
+                 help="which packed row of the stream, from 0")
+  p.add_argument("--seed", type=int, default=None,
+                 help="the stream's seed (default: the config's data_seed)")
+
+  p = command("make-bench-data", _make_bench_data,
+              "write the benchmark dataset (real photographs)")
+  p.add_argument("dir", nargs="?", default=".bench_data", help="the folder to write")
+  p.add_argument("--t2i-rows", type=_at_least(1), default=800, help="text-to-image rows")
+  p.add_argument("--edit-rows", type=_at_least(1), default=200, help="image-edit rows")
+  p.add_argument("--vlm-rows", type=_at_least(1), default=400, help="VLM SFT rows")
+
+  p = command("bench", _bench, "throughput, latency, state and memory against the floor")
+  _add_config_options(p, "bench")
+  p.add_argument("--workers", type=_at_least(0), nargs="+", default=[0, 1, 2],
+                 help="worker counts to measure, one run each")
+  p.add_argument("--seconds", type=_positive_float, default=30.0,
+                 help="timed seconds per worker count")
+  p.add_argument("--windows", type=_at_least(1), default=5,
+                 help="timed windows per worker count (the median is reported)")
+  p.add_argument("--batch-size", type=_at_least(1), default=1, help="rows per batch")
+  p.add_argument("--json", help="write the full report here (default: not written)")
+  p.add_argument("--plot", help="write a PNG of throughput against worker count here "
+                 "(default: not drawn)")
+
+  p = command("convert", _convert, "convert a config's parquet/JSONL data to ArrayRecord")
+  p.add_argument("--config", required=True, help="the config whose data to convert")
+  p.add_argument("--out", required=True,
+                 help="the output folder; gets dataset_info.yaml and config.yaml")
+  p.add_argument("--records-per-shard", type=_at_least(1), default=4096,
+                 help="records per ArrayRecord file")
+  p.add_argument("--overwrite", action="store_true", help="replace existing output files")
+  p.add_argument("--threads", type=_at_least(1), default=16, help="reader threads")
+  return parser
+
+
+def _one_line(error: BaseException) -> str:
+  text = " ".join(str(error).split()) or "(no message)"
+  # pylint: disable=import-outside-toplevel
+  from bagel_grain.errors import BagelGrainError
+  return text if isinstance(error, BagelGrainError) else f"{type(error).__name__}: {text}"
+
+
+def main(argv=None) -> int:
+  args = build_parser().parse_args(argv)
+  try:
+    return args.run(args)
+  except KeyboardInterrupt:
+    if args.debug:
+      raise
+    print(f"bagel-grain {args.command}: interrupted", file=sys.stderr)
+    return 130
+  except Exception as e:  # pylint: disable=broad-except
+    if args.debug:
+      raise
+    print(f"bagel-grain {args.command}: error: {_one_line(e)} (--debug shows the traceback)",
+          file=sys.stderr)
+    return 1
 
 
 if __name__ == "__main__":

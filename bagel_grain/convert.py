@@ -22,6 +22,7 @@ import concurrent.futures
 import dataclasses
 import os
 import re
+import sys
 from typing import Any, Callable
 
 import pyarrow as pa
@@ -107,10 +108,10 @@ def convert_dataset(group: GroupConfig, dataset: DatasetSpec, out_dir: str, *,
                     records_per_shard: int = DEFAULT_RECORDS_PER_SHARD,
                     writer_options: str = DEFAULT_WRITER_OPTIONS, overwrite: bool = False,
                     num_threads: int = 16,
-                    progress: Callable[[int], None] | None = None) -> list[str]:
+                    progress: Callable[[int, int], None] | None = None) -> list[str]:
   """Writes the records `group` reads from `dataset` as ArrayRecord shards in `out_dir`.
 
-  Returns the shard paths. `progress(n)` is called after every n records written.
+  Returns the shard paths. `progress(written, total)` is called after every record written.
   """
   if dataset.array_record_path is not None:
     raise DatasetError("the dataset is already ArrayRecord; nothing to convert",
@@ -125,7 +126,7 @@ def convert_dataset(group: GroupConfig, dataset: DatasetSpec, out_dir: str, *,
   _prepare_folder(out_dir, overwrite)
   num_shards = -(-total // records_per_shard)
   stem = _file_name(dataset.name)
-  paths = []
+  paths, written = [], 0
   with concurrent.futures.ThreadPoolExecutor(num_threads) as pool:
     for shard in range(num_shards):
       path = os.path.join(out_dir, f"{stem}-{shard:05d}-of-{num_shards:05d}{SUFFIX}")
@@ -135,8 +136,9 @@ def convert_dataset(group: GroupConfig, dataset: DatasetSpec, out_dir: str, *,
       try:
         for record in _framed_records(group, dataset, source, start, stop, pool):
           writer.write(record)
+          written += 1
           if progress is not None:
-            progress(1)
+            progress(written, total)
       finally:
         writer.close()
       os.replace(partial, path)
@@ -164,11 +166,11 @@ def convert_config(cfg: PipelineConfig, out_dir: str | os.PathLike, *,
   for g in cfg.groups:
     for d in g.datasets:
       folder = os.path.join(out_dir, _file_name(g.name), _file_name(d.name))
-      bar = _progress_bar(f"{g.name}/{d.name}") if progress else None
+      bar = _Progress(f"{g.name}/{d.name}") if progress else None
       try:
         files = convert_dataset(g, d, folder, records_per_shard=records_per_shard,
                                 writer_options=writer_options, overwrite=overwrite,
-                                num_threads=num_threads, progress=bar.update if bar is not None else None)
+                                num_threads=num_threads, progress=bar)
       finally:
         if bar is not None:
           bar.close()
@@ -194,9 +196,21 @@ def _count(path: str) -> int:
     reader.close()
 
 
-def _progress_bar(name: str):
-  from tqdm import tqdm  # pylint: disable=import-outside-toplevel
-  return tqdm(desc=name, unit="record")
+class _Progress:
+  """A tqdm bar on stderr for one dataset, opened at the first record, when its total is known."""
+
+  def __init__(self, name: str):
+    self._name, self._bar = name, None
+
+  def __call__(self, written: int, total: int) -> None:
+    if self._bar is None:
+      from tqdm import tqdm  # pylint: disable=import-outside-toplevel
+      self._bar = tqdm(desc=self._name, unit="record", total=total, file=sys.stderr)
+    self._bar.update(written - self._bar.n)
+
+  def close(self) -> None:
+    if self._bar is not None:
+      self._bar.close()
 
 
 def _absolute(value: Any, base_dir: str) -> Any:

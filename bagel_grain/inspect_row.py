@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 from PIL import Image, ImageDraw, ImageFont
 
+from bagel_grain.config import PipelineConfig
 from bagel_grain.packing.attention import row_mask
 from bagel_grain.packed_row import MODE_NAMES
 
@@ -177,16 +178,14 @@ def inspect_row(row: dict[str, Any], out_png: str, *, vit_patch_size: int,
   return summarize_row(row)
 
 
-def inspect_pipeline_row(config_path: str, out_png: str, *, index: int = 0,
+def inspect_pipeline_row(cfg: PipelineConfig, out_png: str, *, index: int = 0,
                          seed: int | None = None, workers: int = 0) -> str:
   """`bagel-grain inspect`: the `index`-th packed row (0-based) of the config's stream
   (process 0 of 1), drawn to `out_png`; returns the summary."""
   # pylint: disable=import-outside-toplevel
-  from bagel_grain.config import load_config
   from bagel_grain.pipeline import build_pipeline
   from bagel_grain.tokenizer import load_tokenizer
 
-  cfg = load_config(config_path)
   it = iter(build_pipeline(cfg, load_tokenizer(cfg.tokenizer_path), seed=seed, batch_size=1,
                            workers=workers))
   try:

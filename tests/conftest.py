@@ -14,6 +14,7 @@ import yaml
 
 from bagel_grain import demo_data
 from bagel_grain.config import config_from_dict
+from bagel_grain.configs import load_shipped
 from bagel_grain.tokenizer import load_tokenizer
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
@@ -35,13 +36,13 @@ def demo_dir(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def load_redirected(demo_dir):
-  """`load_redirected("example.yaml")`: a shipped config, on the generated demo data."""
+  """`load_redirected("example.yaml")`: a config of configs/, on the generated demo data."""
   return lambda name: redirected_config(name, demo_dir)
 
 
 @pytest.fixture(scope="session")
 def demo_config(demo_dir):
-  return redirected_config("demo.yaml", demo_dir)
+  return load_shipped("demo", demo_dir)
 
 
 @pytest.fixture(scope="session")

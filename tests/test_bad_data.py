@@ -32,7 +32,7 @@ from bagel_grain.config import config_from_dict
 from bagel_grain.errors import GroupExhaustedError
 from bagel_grain.pipeline import build_pipeline, pipeline_stats
 
-CONFIGS = Path(__file__).resolve().parents[1] / "configs"
+CONFIGS = Path(__file__).resolve().parents[1] / "bagel_grain" / "configs"  # the shipped demo.yaml
 MAX_DECODE = 4_000_000  # the corpus config's cap: 4 Mpx
 
 

@@ -1,6 +1,14 @@
-"""The command line on the demo data: demo, bench (smoke), convert."""
+"""The command line: demo, bench (smoke), convert on the demo data; errors, help, progress,
+and the shipped configs found from any directory."""
 
+import argparse
 import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tomllib
 from pathlib import Path
 
 import pytest
@@ -8,13 +16,14 @@ import yaml
 from PIL import Image
 
 from bagel_grain import cli
+from bagel_grain.errors import ConfigError
 
-CONFIGS = Path(__file__).resolve().parents[1] / "configs"
+CONFIGS = Path(__file__).resolve().parents[1] / "bagel_grain" / "configs"  # the shipped demo.yaml
 
 
 @pytest.fixture
 def demo_yaml(demo_dir, tmp_path):
-  """configs/demo.yaml as a file pointing at the generated demo data."""
+  """The shipped demo.yaml as a file pointing at the generated demo data."""
   raw = yaml.safe_load((CONFIGS / "demo.yaml").read_text())
   raw["dataset_info"] = str(demo_dir / "dataset_info.yaml")
   raw["tokenizer_path"] = str(demo_dir / "tokenizer")
@@ -59,3 +68,127 @@ def test_convert_then_demo_on_array_record(demo_yaml, tmp_path, capsys):
   assert cli.main(["convert", "--config", str(demo_yaml), "--out", str(out)]) == 0
   assert cli.main(["demo", "--config", str(out / "config.yaml"), "--batches", "2"]) == 0
   assert "accounting: drawn" in capsys.readouterr().out
+
+
+# -- the command line's conventions ----------------------------------------------
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_version_is_the_project_version(capsys):
+  version = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["version"]
+  with pytest.raises(SystemExit) as exit_info:
+    cli.main(["--version"])
+  assert exit_info.value.code == 0
+  assert capsys.readouterr().out.strip() == f"bagel-grain {version}"
+
+
+def _subcommands(parser):
+  action = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))  # pylint: disable=protected-access
+  return action.choices
+
+
+def test_every_option_has_help_that_shows_its_default():
+  parser = cli.build_parser()
+  for name, sub in _subcommands(parser).items():
+    text = " ".join(sub.format_help().split())
+    for action in sub._actions:  # pylint: disable=protected-access
+      if isinstance(action, argparse._HelpAction):  # pylint: disable=protected-access
+        continue
+      assert action.help, f"{name} {action.dest} has no help"
+      default = action.default
+      if default is None or isinstance(default, bool):
+        continue
+      shown = " ".join(map(str, default)) if isinstance(default, list) else str(default)
+      assert f"(default: {shown})" in text, f"{name} {action.dest}"
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["demo", "--batches", "0"], "argument --batches: must be at least 1, got 0"),
+    (["demo", "--workers", "-1"], "argument --workers: must be at least 0, got -1"),
+    (["bench", "--workers", "0", "-1"], "argument --workers: must be at least 0, got -1"),
+    (["bench", "--seconds", "0"], "argument --seconds: must be above 0, got 0"),
+    (["convert", "--config", "c.yaml", "--out", "o", "--threads", "0"],
+     "argument --threads: must be at least 1, got 0"),
+])
+def test_out_of_range_options_are_refused_by_name(argv, message, capsys):
+  with pytest.raises(SystemExit) as exit_info:
+    cli.main(argv)
+  assert exit_info.value.code == 2
+  err = capsys.readouterr().err
+  assert err.splitlines()[-1] == f"bagel-grain {argv[0]}: error: {message}"
+  assert "Traceback" not in err
+
+
+def test_an_error_is_one_line_and_debug_shows_the_traceback(tmp_path, capsys):
+  missing = tmp_path / "missing.yaml"
+  assert cli.main(["demo", "--config", str(missing)]) == 1
+  captured = capsys.readouterr()
+  assert captured.out == ""
+  assert captured.err.count("\n") == 1
+  assert captured.err.startswith(
+      f"bagel-grain demo: error: config file not found (file '{missing}')")
+  with pytest.raises(ConfigError, match="config file not found"):
+    cli.main(["demo", "--config", str(missing), "--debug"])
+
+
+def test_missing_demo_data_says_how_to_make_it(tmp_path, capsys):
+  assert cli.main(["inspect", "--data", str(tmp_path)]) == 1
+  err = capsys.readouterr().err
+  assert err.count("\n") == 1
+  assert f"no demo data in {tmp_path}; write it first with " \
+      f"`bagel-grain make-sample-data {tmp_path}`" in err
+
+
+def test_demo_progress_goes_to_stderr_with_its_total(demo_dir, capsys):
+  assert cli.main(["demo", "--data", str(demo_dir), "--batches", "3", "--batch-size", "1",
+                   "--workers", "0"]) == 0
+  captured = capsys.readouterr()
+  assert "3/3 [" in captured.err and "packing" in captured.err
+  assert "batch/s" not in captured.out and "accounting: drawn" in captured.out
+
+
+def test_convert_progress_has_a_total_per_dataset(demo_yaml, tmp_path, capsys):
+  assert cli.main(["convert", "--config", str(demo_yaml), "--out", str(tmp_path / "ar")]) == 0
+  captured = capsys.readouterr()
+  written = {m[0]: int(m[1]) for m in re.findall(r"^(\S+): (\d+) records", captured.out, re.M)}
+  assert len(written) == 3
+  for name, count in written.items():  # the bar's last state: every record of its total
+    assert f"{name}: 100%" in captured.err and f"{count}/{count} [" in captured.err
+  assert not re.search(r": \d+record \[", captured.err)  # a count without its total
+  assert "record/s" not in captured.out
+
+
+def _installed_copy(site: Path) -> None:
+  """What a wheel installs of the package: its modules and the declared package data."""
+  package_data = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"][
+      "package-data"]
+  for module in (ROOT / "bagel_grain").rglob("*.py"):
+    target = site / module.relative_to(ROOT)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    shutil.copy(module, target)
+  for package, patterns in package_data.items():
+    folder = ROOT.joinpath(*package.split("."))
+    for pattern in patterns:
+      for data in folder.glob(pattern):
+        shutil.copy(data, site / data.relative_to(ROOT))
+
+
+@pytest.mark.parametrize("install", ["source tree", "installed copy"])
+def test_the_default_config_is_found_from_any_directory(install, demo_dir, tmp_path):
+  site = ROOT
+  if install == "installed copy":
+    site = tmp_path / "site"
+    _installed_copy(site)
+  elsewhere = tmp_path / "elsewhere"
+  elsewhere.mkdir()
+  env = dict(os.environ, PYTHONPATH=str(site))
+  result = subprocess.run(
+      [sys.executable, "-m", "bagel_grain.cli", "demo", "--data", str(demo_dir), "--batches",
+       "1", "--batch-size", "1", "--workers", "0"],
+      cwd=elsewhere, env=env, capture_output=True, text=True, timeout=300, check=False)
+  assert result.returncode == 0, result.stderr
+  assert "accounting: drawn" in result.stdout
+  where = subprocess.run([sys.executable, "-c", "import bagel_grain; print(bagel_grain.__file__)"],
+                         cwd=elsewhere, env=env, capture_output=True, text=True, check=True)
+  assert Path(where.stdout.strip()).is_relative_to(site)

@@ -9,6 +9,7 @@ import pytest
 import yaml
 
 from bagel_grain.config import config_from_dict, load_config
+from bagel_grain.configs import shipped_path
 from bagel_grain.errors import ConfigError
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
@@ -249,7 +250,7 @@ def test_nemo_key_given_twice_is_an_error(root):
 
 @pytest.mark.parametrize("weight", [float("nan"), float("inf"), -1])
 def test_weight_must_be_finite_and_non_negative(demo_dir, weight):
-  raw = yaml.safe_load((CONFIGS / "demo.yaml").read_text())
+  raw = yaml.safe_load(shipped_path("demo").read_text())
   raw["dataset_info"] = str(demo_dir / "dataset_info.yaml")
   raw["tokenizer_path"] = str(demo_dir / "tokenizer")
   raw["grouped_datasets"]["vlm_sft"]["weight"] = weight

@@ -16,7 +16,7 @@ from bagel_grain.sample import Sample
 from bagel_grain.sources.records import Record
 from family_records import assert_same_outcome
 
-CONFIGS = os.path.join(os.path.dirname(__file__), "..", "configs")
+CONFIGS = os.path.join(os.path.dirname(__file__), "..", "bagel_grain", "configs")
 # The demo config, with num_used_data set: 3 t2i files out of 2 (one repeated), 50 of
 # the VLM lines after the shuffle_lines shuffle.
 NUM_USED = {"t2i_pretrain": [3], "vlm_sft": [50]}

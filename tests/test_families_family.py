@@ -8,6 +8,7 @@ import pytest
 import yaml
 
 from bagel_grain.config import config_from_dict
+from bagel_grain.configs import shipped_path
 from bagel_grain.drops import RECORD_REASONS, DropReason, require
 from bagel_grain.errors import ConfigError
 from bagel_grain.families.base import FamilyTransform
@@ -47,7 +48,7 @@ def test_a_family_reads_its_format_and_builds_its_transform(demo_config, demo_to
 
 
 def test_each_image_role_is_required_by_config(demo_dir):
-  raw = yaml.safe_load((CONFIGS / "demo.yaml").read_text())
+  raw = yaml.safe_load(shipped_path("demo").read_text())
   raw["dataset_info"] = str(demo_dir / "dataset_info.yaml")
   raw["tokenizer_path"] = str(demo_dir / "tokenizer")
   for name, family in FAMILIES.items():
@@ -93,7 +94,7 @@ def test_a_registered_family_runs_end_to_end(monkeypatch, tmp_path, demo_dir, de
   texts = [f"Sentence number {i} about a red square." for i in range(30)] + [""]
   pq.write_table(pa.table({"text": texts, "other": list(range(31))}),
                  tmp_path / "captions" / "part-0.parquet", row_group_size=8)
-  raw = yaml.safe_load((CONFIGS / "demo.yaml").read_text())
+  raw = yaml.safe_load(shipped_path("demo").read_text())
   raw.update(tokenizer_path=str(demo_dir / "tokenizer"), num_epochs=1,
              grouped_datasets={"caption_sft": {"dataset_names": ["c"], "weight": 1}},
              dataset_info={"caption_sft": {"c": {"data_dir": str(tmp_path / "captions")}}})
@@ -108,7 +109,7 @@ def test_a_registered_family_runs_end_to_end(monkeypatch, tmp_path, demo_dir, de
 
 
 def test_an_unregistered_family_is_refused_by_name(demo_dir):
-  raw = yaml.safe_load((CONFIGS / "demo.yaml").read_text())
+  raw = yaml.safe_load(shipped_path("demo").read_text())
   raw.update(tokenizer_path=str(demo_dir / "tokenizer"),
              grouped_datasets={"caption_sft": {"dataset_names": ["c"]}},
              dataset_info={"caption_sft": {"c": {"data_dir": str(demo_dir)}}})

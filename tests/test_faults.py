@@ -20,7 +20,7 @@ from bagel_grain.pipeline import build_pipeline, pipeline_stats
 from deadline import deadline
 
 ROOT = Path(__file__).resolve().parents[1]
-CONFIGS = ROOT / "configs"
+CONFIGS = ROOT / "bagel_grain" / "configs"
 
 
 # The worker-pool tests run in a child process: a hang or a leaked worker there cannot

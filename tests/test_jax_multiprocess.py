@@ -26,8 +26,8 @@ def free_port() -> int:
 
 
 def small_demo_config(demo_dir: Path, path: Path) -> Path:
-  """configs/demo.yaml on `demo_dir`, with a 512-token row and images capped at 128 px."""
-  raw = yaml.safe_load((ROOT / "configs" / "demo.yaml").read_text())
+  """the shipped demo.yaml on `demo_dir`, with a 512-token row and images capped at 128 px."""
+  raw = yaml.safe_load((ROOT / "bagel_grain" / "configs" / "demo.yaml").read_text())
   raw["dataset_info"] = str(demo_dir / "dataset_info.yaml")
   raw["tokenizer_path"] = str(demo_dir / "tokenizer")
   raw.update(max_num_tokens=512, expected_num_tokens=384, max_num_tokens_per_sample=384,

@@ -22,7 +22,7 @@ def load_train_example():
 
 
 def test_train_example_compiles_once_and_resumes_exactly(demo_dir, tmp_path):
-  raw = yaml.safe_load((ROOT / "configs" / "demo.yaml").read_text())
+  raw = yaml.safe_load((ROOT / "bagel_grain" / "configs" / "demo.yaml").read_text())
   raw["dataset_info"] = str(demo_dir / "dataset_info.yaml")
   raw["tokenizer_path"] = str(demo_dir / "tokenizer")
   config = tmp_path / "demo.yaml"

@@ -208,7 +208,7 @@ def main(argv=None) -> int:
   parser.add_argument("--bad-fraction", type=float, default=0.05)
   parser.add_argument("--seed", type=int, default=0)
   parser.add_argument("--report-every", type=float, default=30.0, help="seconds")
-  parser.add_argument("--config", default=str(ROOT / "configs" / "demo.yaml"))
+  parser.add_argument("--config", default=str(ROOT / "bagel_grain" / "configs" / "demo.yaml"))
   parser.add_argument("--data", help="an existing demo dataset (default: generate one)")
   parser.add_argument("--json", help="also write the summary here")
   parser.add_argument("--keep", action="store_true", help="keep the temporary data")

@@ -19,7 +19,8 @@ The model is a stand-in for BAGEL's, small enough for a CPU:
 - loss: CE on `label_ids` weighted by `ce_weights`, plus MSE of the predicted
   velocity `eps - x0` on `mse_mask` tokens.
 
-    python tools/train_example.py --config configs/demo.yaml --steps 8 --ckpt-step 4
+    bagel-grain make-sample-data .demo_data
+    python tools/train_example.py --data .demo_data --steps 8 --ckpt-step 4
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ from jax.sharding import AxisType, NamedSharding, PartitionSpec
 import bagel_grain
 from bagel_grain import jax as bgj
 from bagel_grain.config import PipelineConfig
+from bagel_grain.configs import load_shipped
 from bagel_grain.pipeline import build_pipeline
 
 _BACKEND_COMPILES = collections.Counter()
@@ -250,7 +252,10 @@ def _train(train_step, state, data, steps, log):
 
 def parse_args(argv):
   parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-  parser.add_argument("--config", default="configs/demo.yaml")
+  parser.add_argument("--config", help="a config YAML (default: the package's demo.yaml on "
+                      "--data)")
+  parser.add_argument("--data", default=".demo_data",
+                      help="the folder `bagel-grain make-sample-data` wrote")
   parser.add_argument("--steps", type=int, default=8)
   parser.add_argument("--ckpt-step", type=int, default=4)
   parser.add_argument("--batch-size", type=int, default=None,
@@ -278,7 +283,8 @@ def main(argv=None) -> dict[str, Any]:
   compiles_before = _BACKEND_COMPILES["total"]
   _BACKEND_COMPILES["steps"] = _BACKEND_COMPILES["in_later_steps"] = 0
 
-  cfg = shrink_config(bagel_grain.load_config(args.config), max_num_tokens=args.max_num_tokens,
+  cfg = bagel_grain.load_config(args.config) if args.config else load_shipped("demo", args.data)
+  cfg = shrink_config(cfg, max_num_tokens=args.max_num_tokens,
                       max_image_size=args.max_image_size)
   tokenizer = bagel_grain.load_tokenizer(cfg.tokenizer_path)
   batch_size = args.batch_size or jax.local_device_count()
