@@ -21,7 +21,11 @@ install: $(STAMP)
 demo: .demo_data/.complete
 	$(VENV)/bin/bagel-grain demo --data .demo_data
 
-.bench_data/.complete: $(STAMP)
+$(VENV)/.bench-installed: $(STAMP)
+	$(PY) -m pip install -q -c constraints.txt -e '.[test,bench]'
+	touch $@
+
+.bench_data/.complete: $(VENV)/.bench-installed
 	$(VENV)/bin/bagel-grain make-bench-data .bench_data
 
 # Not part of CI: throughput against the decode+resize floor for 0, 1 and 2 workers.

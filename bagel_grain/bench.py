@@ -13,11 +13,12 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import resource
 import statistics
 import threading
 import time
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import grain
 import numpy as np
@@ -31,6 +32,9 @@ from bagel_grain.packing.stage import with_stage_timing
 from bagel_grain.sample import Sample
 from bagel_grain.sources.parquet import ParquetRowSource
 from bagel_grain.sources.records import ShuffledRecords
+
+
+JPEG_DRAFT_SAMPLES = 300
 
 
 class _RssSampler:
@@ -71,8 +75,13 @@ def _window_keys(batches: Sequence[dict]) -> list[tuple[str, int]]:
   return [(k[0], k[1]) for b in batches for keys in b["sample_keys"] for k in keys]
 
 
+def _silent(line: str) -> None:
+  del line
+
+
 def measure_pipeline(cfg: PipelineConfig, tokenizer, *, workers: int, batch_size: int,
-                     seconds: float, windows: int, warmup_batches: int = 2) -> dict[str, Any]:
+                     seconds: float, windows: int, warmup_batches: int = 2,
+                     log: Callable[[str], None] = _silent) -> dict[str, Any]:
   """One worker count: throughput per window, latencies, state, memory, slot use."""
   sampler = _RssSampler()
   start = time.perf_counter()
@@ -81,6 +90,7 @@ def measure_pipeline(cfg: PipelineConfig, tokenizer, *, workers: int, batch_size
   try:
     next(it)
     first_batch_s = time.perf_counter() - start
+    log(f"first batch in {first_batch_s:.1f} s; {warmup_batches} warm-up batches")
     for _ in range(warmup_batches):
       next(it)
     per_window = seconds / windows
@@ -107,6 +117,8 @@ def measure_pipeline(cfg: PipelineConfig, tokenizer, *, workers: int, batch_size
           "image_tokens_per_s": (after["image_tokens"] - before["image_tokens"]) / elapsed,
       })
       keys_by_window.append(keys)
+      log(f"window {len(results)}/{windows}: {results[-1]['image_tokens_per_s']:,.0f} "
+          f"image tokens/s")
     state = it.get_state()
     stats = pipeline_stats(it)
     # Each stage's own time (Grain's stats) in the run's wall time; the rest is waiting.
@@ -125,6 +137,7 @@ def measure_pipeline(cfg: PipelineConfig, tokenizer, *, workers: int, batch_size
     restore_s = time.perf_counter() - t0
   finally:
     restored.close()
+  log(f"restored from the mid-run state in {restore_s:.2f} s")
   sampler.stop()
   main_peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
   return {
@@ -162,7 +175,7 @@ def _family_samples(cfg: PipelineConfig, seed: int):
 
 
 def measure_floor(cfg: PipelineConfig, keys_by_window: Sequence[Sequence[tuple[str, int]]],
-                  *, seed: int) -> dict[str, Any]:
+                  *, seed: int, log: Callable[[str], None] = _silent) -> dict[str, Any]:
   """Decode + RGB + resize of the same samples, alone and single-threaded, per window."""
   sources, records, samples = _family_samples(cfg, seed)
   rates = []
@@ -176,6 +189,8 @@ def measure_floor(cfg: PipelineConfig, keys_by_window: Sequence[Sequence[tuple[s
         tokens += resized_image_tokens(sample, vit_patch_size=cfg.vit_patch_size,
                                        vae_downsample=cfg.vae_image_downsample)
     rates.append(tokens / (time.perf_counter() - t0))
+    log(f"window {len(rates)}/{len(keys_by_window)}: {len(keys)} samples, "
+        f"{rates[-1]:,.0f} image tokens/s")
   parquet = [s for src in sources.values() for s in src.sources
              if isinstance(s, ParquetRowSource)]
   read = sum(s.bytes_read for s in parquet)
@@ -185,13 +200,15 @@ def measure_floor(cfg: PipelineConfig, keys_by_window: Sequence[Sequence[tuple[s
 
 
 def measure_jpeg_draft(cfg: PipelineConfig, keys: Sequence[tuple[str, int]], *,
-                       seed: int, max_samples: int = 300) -> dict[str, Any]:
+                       seed: int, max_samples: int = JPEG_DRAFT_SAMPLES,
+                       log: Callable[[str], None] = _silent) -> dict[str, Any]:
   """The opt-in draft decoding against the exact path: speed-up and pixel difference."""
   keys = list(keys)[:max_samples]
   paths = {draft: _family_samples(dataclasses.replace(cfg, jpeg_draft=draft), seed)
            for draft in (False, True)}
   seconds = {False: [], True: []}
-  for _ in range(2):  # alternate, keep each path's best: no cold-start bias for either
+  for round_ in range(2):  # alternate, keep each path's best: no cold-start bias for either
+    log(f"timing round {round_ + 1}/2: exact, then draft")
     for draft, (_, records, samples) in paths.items():
       for name, index in keys:
         records[name].read(index)
@@ -199,6 +216,7 @@ def measure_jpeg_draft(cfg: PipelineConfig, keys: Sequence[tuple[str, int]], *,
       for name, index in keys:
         samples[name][index]  # pylint: disable=pointless-statement
       seconds[draft].append(time.perf_counter() - t0)
+  log("comparing pixels")
   total = count = largest = changed = images = 0
   for name, index in keys:  # one sample at a time: nothing accumulates
     pair = []
@@ -233,14 +251,34 @@ class _ReadAhead:
 
 
 def run_bench(cfg: PipelineConfig, tokenizer, *, workers: Sequence[int], seconds: float,
-              windows: int = 5, batch_size: int = 1) -> dict[str, Any]:
-  """Every worker count, then the floor on the single-threaded run's samples."""
-  runs = [measure_pipeline(cfg, tokenizer, workers=w, batch_size=batch_size, seconds=seconds,
-                           windows=windows) for w in workers]
+              windows: int = 5, batch_size: int = 1,
+              log: Callable[[str], None] = _silent) -> dict[str, Any]:
+  """Every worker count, then the floor on the single-threaded run's samples.
+
+  `log` gets a line as each phase starts and as each window ends.
+  """
+  start = time.perf_counter()
+
+  def phase(name: str) -> Callable[[str], None]:
+    return lambda line: log(f"[{time.perf_counter() - start:6.1f} s] {name}: {line}")
+
+  runs = []
+  for w in workers:
+    say = phase(f"{w} worker{'s' if w != 1 else ''}")
+    say(f"pipeline from the start of the stream; then {windows} windows of "
+        f"{seconds / windows:.1f} s")
+    runs.append(measure_pipeline(cfg, tokenizer, workers=w, batch_size=batch_size,
+                                 seconds=seconds, windows=windows, log=say))
   reference = next((r for r in runs if r["workers"] == 0), runs[0])
-  floor = measure_floor(cfg, reference["keys_by_window"], seed=cfg.data_seed)
-  draft = measure_jpeg_draft(cfg, [k for w in reference["keys_by_window"] for k in w],
-                             seed=cfg.data_seed)
+  say = phase("floor")
+  say(f"the same samples as the {reference['workers']}-worker run, decoded and resized "
+      "alone, single-threaded")
+  floor = measure_floor(cfg, reference["keys_by_window"], seed=cfg.data_seed, log=say)
+  keys = [k for w in reference["keys_by_window"] for k in w]
+  say = phase("jpeg_draft")
+  say(f"draft against exact decoding of {min(len(keys), JPEG_DRAFT_SAMPLES)} samples")
+  draft = measure_jpeg_draft(cfg, keys, seed=cfg.data_seed, log=say)
+  say("done")
   for r in runs:
     r["ratio_to_floor"] = r["image_tokens_per_s"] / floor["image_tokens_per_s"]
     del r["keys_by_window"]
@@ -274,33 +312,68 @@ def format_table(report: dict[str, Any]) -> str:
                f"{d['mean_abs_diff']:.2f}, max {d['max_abs_diff']} (uint8)")
   ratio = report["floor"]["parquet_bytes_read_per_byte_used"]
   if ratio is not None:
-    lines.append(f"parquet bytes read per byte used: {ratio:.3f}")
+    lines.append(f"parquet bytes read per byte used: {ratio:.3f} (row-group bytes decoded from "
+                 "the files / record bytes the floor's samples used; above 1: decoded, unused)")
   for r in report["runs"]:
     shares = ", ".join(f"{k} {v:.0%}" for k, v in r["main_process_time_share"].items())
     lines.append(f"workers={r['workers']}: main process time: {shares}")
   return "\n".join(lines)
 
 
+def _tick_step(top: float, ticks: int = 5) -> float:
+  """A round step (1, 2 or 5 times a power of ten) giving about `ticks` ticks up to `top`."""
+  rough = top / ticks
+  power = 10 ** math.floor(math.log10(rough))
+  return next(m * power for m in (1, 2, 5, 10) if m * power >= rough)
+
+
+def _short(value: float) -> str:
+  return f"{value / 1e6:.1f}M" if value >= 1e6 else f"{value / 1e3:.0f}k" if value >= 1e3 \
+      else f"{value:.0f}"
+
+
 def plot(report: dict[str, Any], path: str) -> None:
   """A PNG of image tokens/s against worker count, with the floor as a line (Pillow only)."""
-  from PIL import Image, ImageDraw  # pylint: disable=import-outside-toplevel
+  from PIL import Image, ImageDraw, ImageFont  # pylint: disable=import-outside-toplevel
   runs = report["runs"]
   floor = report["floor"]["image_tokens_per_s"]
-  w, h, m = 640, 400, 60
+  w, h = 640, 400
+  left, right, top_m, bottom = 70, 20, 50, 50  # margins around the plot area
   top = max([r["image_tokens_per_s"] for r in runs] + [floor]) * 1.15
+  font, title_font = ImageFont.load_default(size=11), ImageFont.load_default(size=14)
   img = Image.new("RGB", (w, h), "white")
   d = ImageDraw.Draw(img)
-  d.line([(m, m // 2), (m, h - m), (w - m // 2, h - m)], fill="black")
-  xs = {r["workers"]: m + (i + 0.5) * (w - 1.5 * m) / len(runs) for i, r in enumerate(runs)}
-  y = lambda v: h - m - v / top * (h - 1.5 * m)
-  d.line([(m, y(floor)), (w - m // 2, y(floor))], fill="gray")
-  d.text((m + 4, y(floor) - 12), f"floor (1 thread) {floor:,.0f}", fill="gray")
-  for r in runs:
-    x, v = xs[r["workers"]], r["image_tokens_per_s"]
-    d.rectangle([x - 20, y(v), x + 20, h - m], fill=(70, 110, 200))
-    d.text((x - 24, y(v) - 14), f"{v / 1e3:,.0f}k", fill="black")
-    d.text((x - 4, h - m + 6), str(r["workers"]), fill="black")
-  d.text((w // 2 - 40, h - m + 24), "worker processes", fill="black")
-  d.text((4, 4), "image tokens / s", fill="black")
+  y = lambda v: h - bottom - v / top * (h - bottom - top_m)
+  bar_colour, floor_colour = (70, 110, 200), (230, 120, 20)
+  d.text((w // 2, 8), "bagel-grain bench: image tokens/s by worker processes", fill="black",
+         font=title_font, anchor="mt")
+  legend = [(bar_colour, f"pipeline, median of {report['config']['windows']} windows "
+             "(x ratio to the floor)"),
+            (floor_colour, f"decode+resize floor, 1 thread: {floor:,.0f}")]
+  x = left
+  for colour, text in legend:
+    d.rectangle([x, 31, x + 14, 37], fill=colour)
+    d.text((x + 19, 34), text, fill="black", font=font, anchor="lm")
+    x += 19 + d.textlength(text, font=font) + 18
+  step = _tick_step(top)
+  for i in range(int(top // step) + 1):
+    v = i * step
+    d.line([(left - 4, y(v)), (w - right, y(v))], fill=(225, 225, 225) if i else "black")
+    d.text((left - 6, y(v)), _short(v), fill="black", font=font, anchor="rm")
+  d.line([(left, top_m - 6), (left, h - bottom)], fill="black")
+  label = Image.new("RGB", (200, 14), "white")
+  ImageDraw.Draw(label).text((100, 7), "image tokens / s", fill="black", font=font, anchor="mm")
+  img.paste(label.rotate(90, expand=True), (4, (h - bottom + top_m) // 2 - 100))
+  slot = (w - left - right) / len(runs)
+  for i, r in enumerate(runs):
+    x, v = left + (i + 0.5) * slot, r["image_tokens_per_s"]
+    d.rectangle([x - 24, y(v), x + 24, h - bottom], fill=bar_colour)
+    d.text((x, y(v) - 3), f"{_short(v)} ({r['ratio_to_floor']:.2f}x)", fill="black", font=font,
+           anchor="mb")
+    d.text((x, h - bottom + 5), str(r["workers"]), fill="black", font=font, anchor="mt")
+  d.text(((left + w - right) // 2, h - bottom + 24), "worker processes", fill="black", font=font,
+         anchor="mt")
+  for x0 in range(left, w - right, 12):  # dashed, drawn over the bars
+    d.line([(x0, y(floor)), (min(x0 + 7, w - right), y(floor))], fill=floor_colour, width=2)
+  d.text((left + 4, y(floor) - 3), "floor", fill=floor_colour, font=font, anchor="lb")
   img.save(path)
-

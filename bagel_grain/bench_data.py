@@ -1,11 +1,12 @@
-"""A realistic, deterministic benchmark dataset: real photographs in the three upstream formats.
+"""A realistic, deterministic benchmark dataset: photographs in the three upstream formats.
 
-The photographs are the sample images scikit-image ships in its wheel (astronaut,
-coffee, chelsea, rocket, retina, ...), read straight from the wheel file that
-`pip download` fetches from the package registry; nothing is installed. Each
-benchmark image is a random crop of one photo, rescaled to a long side of
+The photographs are the sample images scikit-image ships inside its package
+(astronaut, coffee, chelsea, rocket, retina, ...), read from the installed
+package's files (the `bench` extra installs it; nothing is fetched at run time).
+Each benchmark image is a random crop of one photo, rescaled to a long side of
 256-1536 px and re-encoded: mostly JPEG, some PNG, greyscale and RGBA, as in
-web-scale data. Without the wheel, procedural images stand in (and say so).
+web-scale data. Without scikit-image, procedural images stand in (and a line on
+stderr says so); JPEG decoding of those costs more than of photographs.
 """
 
 from __future__ import annotations
@@ -13,10 +14,10 @@ from __future__ import annotations
 import io
 import json
 import random
-import subprocess
 import sys
-import zipfile
+from importlib import resources
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 import pyarrow as pa
@@ -27,7 +28,6 @@ from PIL import Image
 from bagel_grain.demo_data import filler_sentence, write_tokenizer
 
 SEED = 1536
-PHOTO_WHEEL = "scikit-image==0.26.0"
 PHOTO_NAMES = ("astronaut.png", "brick.png", "camera.png", "chelsea.png", "coffee.png",
                "coins.png", "grass.png", "gravel.png", "hubble_deep_field.jpg", "ihc.png",
                "moon.png", "motorcycle_left.png", "motorcycle_right.png", "retina.jpg",
@@ -37,33 +37,24 @@ KIND_WEIGHTS = (80, 8, 7, 5)
 ROW_GROUP_ROWS = 64
 
 
-def _photo_wheel(cache: Path) -> Path | None:
-  """The scikit-image wheel in `cache`, downloaded from the package registry if needed."""
-  found = sorted(cache.glob("scikit_image-*.whl"))
-  if not found:
-    cache.mkdir(parents=True, exist_ok=True)
-    result = subprocess.run(
-        [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
-         "-q", "-d", str(cache), PHOTO_WHEEL], capture_output=True, text=True, check=False)
-    if result.returncode != 0:
-      print(f"could not fetch {PHOTO_WHEEL} ({result.stderr.strip()[-200:]}); "
-            "using procedural images", file=sys.stderr)
-    found = sorted(cache.glob("scikit_image-*.whl"))
-  return found[0] if found else None
+def _to_stderr(line: str) -> None:
+  print(line, file=sys.stderr, flush=True)
 
 
-def load_photos(cache: Path) -> list[Image.Image]:
-  """The photographs as RGB images (procedural stand-ins when the wheel is unavailable)."""
-  wheel = _photo_wheel(cache)
-  if wheel is None:
+def load_photos(log: Callable[[str], None] = _to_stderr) -> list[Image.Image]:
+  """The photographs as RGB images (procedural stand-ins without scikit-image)."""
+  try:
+    folder = resources.files("skimage").joinpath("data")
+  except ModuleNotFoundError:
+    log("scikit-image is not installed (pip install 'bagel_grain[bench]'): "
+        "procedural images stand in for photographs")
     rng = np.random.default_rng(SEED)
     return [Image.fromarray(rng.integers(0, 256, (720, 960, 3), np.uint8)).resize((1440, 1080))
             for _ in range(6)]
   photos = []
-  with zipfile.ZipFile(wheel) as z:
-    for name in PHOTO_NAMES:
-      with Image.open(io.BytesIO(z.read(f"skimage/data/{name}"))) as im:
-        photos.append(im.convert("RGB"))
+  for name in PHOTO_NAMES:
+    with Image.open(io.BytesIO(folder.joinpath(name).read_bytes())) as im:
+      photos.append(im.convert("RGB"))
   return photos
 
 
@@ -113,12 +104,15 @@ def _write_parquet(path: Path, rows: list[dict], schema: pa.Schema) -> None:
 
 
 def make_bench_data(out_dir: str | Path, *, t2i_rows: int = 800, edit_rows: int = 200,
-                    vlm_rows: int = 400, cache: str | Path | None = None) -> Path:
-  """Writes the benchmark dataset (about 1 MB per T2I row at the defaults); returns its root."""
+                    vlm_rows: int = 400, log: Callable[[str], None] = _to_stderr) -> Path:
+  """Writes the benchmark dataset (about 1 MB per T2I row at the defaults); returns its root.
+
+  `log` gets one line per part written (default: stderr).
+  """
   root = Path(out_dir)
   root.mkdir(parents=True, exist_ok=True)
   (root / ".complete").unlink(missing_ok=True)
-  photos = load_photos(Path(cache) if cache else root / ".cache")
+  photos = load_photos(log)
   maker, r = ImageMaker(photos, SEED), random.Random(SEED)
   write_tokenizer(root / "tokenizer")
 
@@ -132,6 +126,7 @@ def make_bench_data(out_dir: str | Path, *, t2i_rows: int = 800, edit_rows: int 
                                      for i in range(r.randint(1, 3))})}
             for _ in range(start, min(t2i_rows, start + shard_rows))]
     _write_parquet(root / "t2i" / f"part-{shard:05d}.parquet", rows, t2i_schema)
+    log(f"t2i: {start + len(rows)}/{t2i_rows} rows")
 
   (root / "edit").mkdir(exist_ok=True)
   edit_rows_data = []
@@ -144,6 +139,7 @@ def make_bench_data(out_dir: str | Path, *, t2i_rows: int = 800, edit_rows: int 
   edit_schema = pa.schema([("image_list", pa.list_(pa.binary())),
                            ("instruction_list", pa.list_(pa.list_(pa.string())))])
   _write_parquet(root / "edit" / "part-00000.parquet", edit_rows_data, edit_schema)
+  log(f"edit: {edit_rows}/{edit_rows} rows")
   (root / "edit" / "parquet_info.json").write_text(json.dumps(
       {"edit/part-00000.parquet": {"num_row_groups": -(-edit_rows // ROW_GROUP_ROWS),
                                    "num_rows": edit_rows}}))
@@ -164,6 +160,7 @@ def make_bench_data(out_dir: str | Path, *, t2i_rows: int = 800, edit_rows: int 
     lines.append(json.dumps({"image": names if len(names) > 1 else names[0],
                              "conversations": turns}))
   (root / "vlm" / "sft.jsonl").write_text("\n".join(lines) + "\n")
+  log(f"vlm: {vlm_rows}/{vlm_rows} rows")
 
   info = {"t2i_pretrain": {"bench_t2i": {"data_dir": "t2i"}},
           "unified_edit": {"bench_edit": {"data_dir": "edit",

@@ -94,9 +94,13 @@ def _make_bench_data(args) -> int:
   from bagel_grain.bench_data import make_bench_data  # pylint: disable=import-outside-toplevel
   start = time.perf_counter()
   out = make_bench_data(args.dir, t2i_rows=args.t2i_rows, edit_rows=args.edit_rows,
-                        vlm_rows=args.vlm_rows)
+                        vlm_rows=args.vlm_rows, log=_progress)
   print(f"wrote benchmark data to {out} in {time.perf_counter() - start:.1f} s")
   return 0
+
+
+def _progress(line: str) -> None:
+  print(line, file=sys.stderr, flush=True)
 
 
 def _bench(args) -> int:
@@ -107,7 +111,7 @@ def _bench(args) -> int:
   cfg = _config(args)
   tokenizer = load_tokenizer(cfg.tokenizer_path)
   report = bench.run_bench(cfg, tokenizer, workers=args.workers, seconds=args.seconds,
-                           windows=args.windows, batch_size=args.batch_size)
+                           windows=args.windows, batch_size=args.batch_size, log=_progress)
   print(bench.format_table(report))
   for path in (args.json, args.plot):
     if path:
@@ -237,7 +241,7 @@ def build_parser() -> argparse.ArgumentParser:
                  help="the stream's seed (default: the config's data_seed)")
 
   p = command("make-bench-data", _make_bench_data,
-              "write the benchmark dataset (real photographs)")
+              "write the benchmark dataset (photographs from scikit-image if installed)")
   p.add_argument("dir", nargs="?", default=".bench_data", help="the folder to write")
   p.add_argument("--t2i-rows", type=_at_least(1), default=800, help="text-to-image rows")
   p.add_argument("--edit-rows", type=_at_least(1), default=200, help="image-edit rows")

@@ -11,6 +11,7 @@ import sys
 import tomllib
 from pathlib import Path
 
+import numpy as np
 import pytest
 import yaml
 from PIL import Image
@@ -59,8 +60,19 @@ def test_bench_smoke_emits_every_field(demo_yaml, tmp_path, capsys):
   assert report["floor"]["image_tokens_per_s"] > 0
   assert report["floor"]["parquet_bytes_read_per_byte_used"] > 0
   assert set(report["jpeg_draft"]) >= {"speedup", "mean_abs_diff", "max_abs_diff"}
-  assert Image.open(plot_path).size == (640, 400)
-  assert "x floor" in capsys.readouterr().out
+  image = np.asarray(Image.open(plot_path).convert("RGB"))
+  assert image.shape == (400, 640, 3)
+  floor_pixels = (image == (230, 120, 20)).all(-1)  # the dashed floor line and its labels
+  assert floor_pixels.sum(axis=1).max() > 300  # one row of dashes across the plot
+  captured = capsys.readouterr()
+  assert "x floor" in captured.out
+  assert "parquet bytes read per byte used:" in captured.out
+  # A line on stderr as each phase starts and each window ends: never minutes of silence.
+  progress = [line.split("] ", 1)[1] for line in captured.err.splitlines() if "] " in line]
+  for expected in ("0 workers: pipeline from the start of the stream; then 2 windows of 1.0 s",
+                   "0 workers: window 1/2", "0 workers: window 2/2", "0 workers: restored",
+                   "floor: window 2/2", "jpeg_draft: timing round 2/2", "jpeg_draft: done"):
+    assert any(line.startswith(expected) for line in progress), expected
 
 
 def test_convert_then_demo_on_array_record(demo_yaml, tmp_path, capsys):
