@@ -9,6 +9,7 @@ import pytest
 import yaml
 
 from bagel_grain.config import load_config
+from bagel_grain.configs import shipped_path
 from bagel_grain.errors import ConfigError
 from bagel_grain.packing import to_bagel_dict
 from bagel_grain.pipeline import build_pipeline, group_records, stream_seeds
@@ -88,7 +89,7 @@ def test_trainer_sections_are_logged_once_as_ignored(recipe, tmp_path, caplog):
 
 
 def test_a_plain_config_logs_nothing(demo_dir, tmp_path, caplog):
-  raw = yaml.safe_load((Path(__file__).resolve().parents[1] / "configs" / "demo.yaml").read_text())
+  raw = yaml.safe_load(shipped_path("demo").read_text())
   raw["dataset_info"] = str(demo_dir / "dataset_info.yaml")  # a clone has no .demo_data/
   raw["tokenizer_path"] = str(demo_dir / "tokenizer")
   (tmp_path / "demo.yaml").write_text(yaml.safe_dump(raw))

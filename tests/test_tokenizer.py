@@ -5,7 +5,6 @@ import pickle
 import subprocess
 import sys
 import textwrap
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -13,6 +12,7 @@ import tokenizers
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
 from bagel_grain import demo_data
+from bagel_grain.configs import shipped_path
 from bagel_grain.errors import ConfigError
 from bagel_grain.packing.layout import SpecialTokens
 from bagel_grain.tokenizer import BAGEL_TOKENS, Tokenizer, load_tokenizer
@@ -191,7 +191,7 @@ TORCH_ADVICE = "PyTorch was not found"
 
 
 def test_loading_a_tokenizer_folder_prints_no_torch_advice_in_any_process(demo_dir):
-  config = str(Path(__file__).resolve().parents[1] / "configs" / "demo.yaml")
+  config = str(shipped_path("demo"))
   child = subprocess.run([sys.executable, "-c", QUIET_CHILD, str(demo_dir), config],
                          capture_output=True, text=True, timeout=300, check=False)
   assert child.returncode == 0, child.stderr[-3000:]
