@@ -2,10 +2,12 @@
 
 The PNG has, from top to bottom: one colour band per position for the sample
 (segment), the split, the modality (token type), the split's attention mode and
-the loss (CE / MSE); the attention mask (query rows, key columns; sampled on a
-grid when L is larger than the picture); thumbnails of the row's ViT images
-(patches put back on their grid) and VAE images (cropped to their real size).
-Pillow only; no JAX.
+the loss (CE / MSE), with a legend; the attention mask of the whole row (query
+rows, key columns, coloured by sample; sampled on a grid when L is larger than
+the picture), then the mask of one sample enlarged, coloured by the key's split
+mode, where text's causal triangles are visible; thumbnails of the row's ViT
+images (patches put back on their grid) and VAE images (cropped to their real
+size). Pillow only; no JAX.
 """
 
 from __future__ import annotations
@@ -25,11 +27,20 @@ _PALETTE = np.array([
     (140, 86, 75), (227, 119, 194), (188, 189, 34), (23, 190, 207), (174, 199, 232),
     (255, 187, 120), (152, 223, 138)], np.uint8)
 _PAD = np.array((40, 40, 40), np.uint8)
-_TYPE_COLOURS = np.array([_PAD, (70, 130, 230), (60, 180, 75), (245, 130, 48)], np.uint8)
+# The legend's colours: each used once, none the padding's or the hidden mask's.
+_TYPE_COLOURS = np.array([_PAD, (31, 119, 180), (44, 160, 44), (255, 127, 14)], np.uint8)
 _TYPE_NAMES = ("pad", "text", "ViT", "VAE")
-_MODE_COLOURS = np.array([(200, 200, 200), (60, 180, 75), (230, 25, 75)], np.uint8)
-_CE, _MSE = np.array((70, 130, 230), np.uint8), np.array((145, 30, 180), np.uint8)
-_LABEL_W, _BAND_H, _GAP, _THUMB_H = 70, 14, 4, 96
+_MODE_COLOURS = np.array([(148, 103, 189), (23, 190, 207), (214, 39, 40)], np.uint8)
+_CE, _MSE = np.array((227, 119, 194), np.uint8), np.array((188, 189, 34), np.uint8)
+_NO_LOSS, _HIDDEN = np.array((215, 215, 215), np.uint8), np.array((245, 245, 245), np.uint8)
+LEGEND = (  # (band, [(name, colour)]): what the modality, mode and loss bands show
+    ("modality", [("text", _TYPE_COLOURS[1]), ("ViT", _TYPE_COLOURS[2]),
+                  ("VAE", _TYPE_COLOURS[3]), ("pad", _PAD)]),
+    ("mode", list(zip(MODE_NAMES, _MODE_COLOURS))),
+    ("loss", [("CE", _CE), ("MSE", _MSE), ("none", _NO_LOSS)]),
+)
+_LABEL_W, _BAND_H, _GAP, _THUMB_H, _AXIS_H = 70, 14, 4, 96, 30
+_TEXT_W = 440  # the least width beside the labels: room for the legend and the titles
 
 
 def _ids_colours(ids: np.ndarray) -> np.ndarray:
@@ -106,6 +117,56 @@ def _thumbnail(image: np.ndarray) -> Image.Image:
   return im.resize((w, _THUMB_H), Image.Resampling.BILINEAR)
 
 
+def _zoom_sample(seg: np.ndarray, split: np.ndarray, modes: np.ndarray,
+                 num_samples: int) -> int:
+  """The sample to enlarge: causal text beside other modes, the largest causal share."""
+  def score(s):
+    kinds = modes[np.maximum(split[seg == s], 1) - 1]
+    causal = float(np.mean(kinds == 0))
+    return 0.0 < causal < 1.0, causal
+  return max(range(1, num_samples + 1), key=score)
+
+
+def _legend(draw, font, x0: int, top: int, width: int) -> int:
+  """Draws the colour legend from (x0, top), wrapping at `width`; returns its height."""
+  x, y = x0, top
+  for title, entries in LEGEND:
+    need = draw.textlength(title, font=font) + 6 + sum(
+        22 + draw.textlength(name, font=font) for name, _ in entries)
+    if x > x0 and x + need > x0 + width:
+      x, y = x0, y + _BAND_H
+    draw.text((x, y), title, fill=(90, 90, 90), font=font)
+    x += draw.textlength(title, font=font) + 6
+    for name, colour in entries:
+      draw.rectangle((x, y + 2, x + 9, y + 11), fill=tuple(int(v) for v in colour))
+      draw.text((x + 12, y), name, fill=(0, 0, 0), font=font)
+      x += 22 + draw.textlength(name, font=font)
+    x += 14
+  return y + _BAND_H - top
+
+
+def _mask_panel(canvas, draw, font, picture: np.ndarray, positions: np.ndarray, top: int,
+                title: str) -> int:
+  """The mask picture at (_LABEL_W, top + 14) under its title, with position axes
+  (ticks at the positions the pixels show); returns the height used."""
+  size = picture.shape[0]
+  draw.text((_LABEL_W, top), title, fill=(0, 0, 0), font=font)
+  top += 14
+  canvas.paste(Image.fromarray(picture), (_LABEL_W, top))
+  draw.rectangle((_LABEL_W - 1, top - 1, _LABEL_W + size, top + size), outline=(0, 0, 0))
+  for i in np.linspace(0, size - 1, 5).round().astype(int):
+    label = str(int(positions[i]))
+    draw.line((_LABEL_W - 4, top + i, _LABEL_W - 1, top + i), fill=(0, 0, 0))
+    draw.text((_LABEL_W - 6, top + i), label, fill=(0, 0, 0), font=font, anchor="rm")
+    draw.line((_LABEL_W + i, top + size, _LABEL_W + i, top + size + 3), fill=(0, 0, 0))
+    draw.text((_LABEL_W + i, top + size + 4), label, fill=(0, 0, 0), font=font,
+              anchor="ma" if 0 < i < size - 1 else "la" if i == 0 else "ra")
+  draw.text((2, top + size // 2 + 12), "query", fill=(90, 90, 90), font=font)
+  draw.text((_LABEL_W + size // 2, top + size + 16), "key position", fill=(90, 90, 90),
+            font=font, anchor="ma")
+  return 14 + size + _AXIS_H
+
+
 def inspect_row(row: dict[str, Any], out_png: str, *, vit_patch_size: int,
                 max_num_patch_per_side: int = 70, width: int = 768) -> str:
   """Writes the picture of one packed row (numpy arrays, no batch dim) to `out_png`.
@@ -122,7 +183,7 @@ def inspect_row(row: dict[str, Any], out_png: str, *, vit_patch_size: int,
   at = (np.arange(cols) * length) // cols  # the position each column shows
 
   token_mode = np.where(split > 0, modes[np.maximum(split - 1, 0)], 0)
-  loss = np.full((length, 3), _PAD)
+  loss = np.where((seg > 0)[:, None], _NO_LOSS, _PAD)
   loss[np.asarray(row["ce_weights"]) > 0] = _CE
   loss[np.asarray(row["mse_mask"])] = _MSE
   bands = [
@@ -133,13 +194,19 @@ def inspect_row(row: dict[str, Any], out_png: str, *, vit_patch_size: int,
       ("loss", loss),
   ]
   mask = row_mask(seg[at], split[at], modes)
-  mask_rgb = np.where(mask[..., None], _ids_colours(seg[at])[None, :, :], np.uint8(15))
+  mask_rgb = np.where(mask[..., None], _ids_colours(seg[at])[None, :, :], _HIDDEN)
+  # One sample enlarged (or sampled) to the same size: nearest positions.
+  zoomed = _zoom_sample(seg, split, modes, int(row["num_samples"]))
+  inside = np.flatnonzero(seg == zoomed)
+  zoom_at = inside[0] + (np.arange(cols) * len(inside)) // cols
+  zoom_mask = row_mask(seg[zoom_at], split[zoom_at], modes)
+  zoom_rgb = np.where(zoom_mask[..., None], _MODE_COLOURS[token_mode[zoom_at]][None], _HIDDEN)
 
   thumbs = [(f"ViT {i + 1}", _thumbnail(im)) for i, im in enumerate(
       vit_images(row, vit_patch_size, max_num_patch_per_side))]
   thumbs += [(f"VAE {i + 1}", _thumbnail(im)) for i, im in enumerate(vae_images(row))]
   font = ImageFont.load_default()
-  total_w = _LABEL_W + cols
+  total_w = _LABEL_W + max(cols, _TEXT_W)
   thumb_rows, x, y = [], 0, 0
   for name, im in thumbs:  # wrap thumbnails into lines of the picture's width
     if x and x + im.width > total_w:
@@ -148,11 +215,11 @@ def inspect_row(row: dict[str, Any], out_png: str, *, vit_patch_size: int,
     x += max(im.width, 48) + _GAP  # room for the label under narrow images
   thumbs_h = (y + _THUMB_H + 16) if thumbs else 0
 
-  legend = [("text", _TYPE_COLOURS[1]), ("ViT", _TYPE_COLOURS[2]), ("VAE", _TYPE_COLOURS[3]),
-            ("causal", _MODE_COLOURS[0]), ("full", _MODE_COLOURS[1]),
-            ("noise", _MODE_COLOURS[2]), ("CE", _CE), ("MSE", _MSE), ("pad", _PAD)]
-  bands_h = len(bands) * (_BAND_H + 2) + _BAND_H + 2  # the bands, then the legend
-  height = bands_h + _GAP + cols + _GAP + thumbs_h
+  scratch = ImageDraw.Draw(Image.new("RGB", (1, 1)))
+  legend_h = _legend(scratch, font, _LABEL_W, 0, total_w - _LABEL_W)
+  bands_h = len(bands) * (_BAND_H + 2) + legend_h
+  panel_h = 14 + cols + _AXIS_H
+  height = bands_h + _GAP + 2 * (panel_h + _GAP) + thumbs_h
   canvas = Image.new("RGB", (total_w, height), (255, 255, 255))
   draw = ImageDraw.Draw(canvas)
   for i, (name, colours) in enumerate(bands):
@@ -160,17 +227,18 @@ def inspect_row(row: dict[str, Any], out_png: str, *, vit_patch_size: int,
     strip = np.repeat(colours[at][None], _BAND_H, axis=0).astype(np.uint8)
     canvas.paste(Image.fromarray(strip), (_LABEL_W, top))
     draw.text((2, top), name, fill=(0, 0, 0), font=font)
-  x, top = _LABEL_W, len(bands) * (_BAND_H + 2)
-  for name, colour in legend:
-    draw.rectangle((x, top + 2, x + 9, top + 11), fill=tuple(int(v) for v in colour))
-    draw.text((x + 12, top), name, fill=(0, 0, 0), font=font)
-    x += 16 + int(draw.textlength(name, font=font)) + 8
+  _legend(draw, font, _LABEL_W, len(bands) * (_BAND_H + 2), total_w - _LABEL_W)
   top = bands_h + _GAP
-  canvas.paste(Image.fromarray(mask_rgb.astype(np.uint8)), (_LABEL_W, top))
-  draw.text((2, top), "mask", fill=(0, 0, 0), font=font)
-  draw.text((2, top + 14), "q down", fill=(90, 90, 90), font=font)
-  draw.text((2, top + 28), "k across", fill=(90, 90, 90), font=font)
-  top += cols + _GAP
+  top += _mask_panel(canvas, draw, font, mask_rgb.astype(np.uint8), at, top,
+                     "attention mask of the row (query down, key across), coloured by "
+                     "sample") + _GAP
+  box = [int(np.searchsorted(at, p)) for p in (inside[0], inside[-1] + 1)]
+  mask_top = bands_h + _GAP + 14
+  draw.rectangle((_LABEL_W + box[0], mask_top + box[0], _LABEL_W + box[1],
+                  mask_top + box[1]), outline=(0, 0, 0))
+  top += _mask_panel(canvas, draw, font, zoom_rgb.astype(np.uint8), zoom_at, top,
+                     f"sample {zoomed} (positions {inside[0]}..{inside[-1]}, boxed above), "
+                     "coloured by the key's split mode") + _GAP
   for name, im, x, y in thumb_rows:
     canvas.paste(im, (x, top + y + 14))
     draw.text((x, top + y), name, fill=(0, 0, 0), font=font)

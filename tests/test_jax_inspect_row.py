@@ -7,7 +7,7 @@ import dataclasses
 import numpy as np
 from PIL import Image
 
-from bagel_grain.inspect_row import inspect_row, vae_images, vit_images
+from bagel_grain.inspect_row import LEGEND, inspect_row, vae_images, vit_images
 from bagel_grain.packing.layout import patchify
 from bagel_grain.packing.positions import flattened_position_ids
 from bagel_grain.pipeline import build_pipeline
@@ -58,3 +58,45 @@ def test_inspect_row_draws_a_demo_row_and_summarises_it(demo_config, demo_tokeni
   assert sum(line.startswith("  sample ") for line in summary.splitlines()) == n
   for word in ("text", "ViT", "VAE", "causal", "fill", "CE", "MSE"):
     assert word in summary
+
+
+def test_the_legend_never_reuses_a_colour():
+  entries = [(band, name, tuple(int(v) for v in colour))
+             for band, names in LEGEND for name, colour in names]
+  assert {band for band, _, _ in entries} == {"modality", "mode", "loss"}
+  assert {name for band, name, _ in entries if band == "mode"} == {"causal", "full", "noise"}
+  colours = [colour for _, _, colour in entries]
+  assert len(set(colours)) == len(colours), entries
+
+
+def _literal_row(splits, length=128):
+  """A packed row from (sample, mode code, length) splits, padded; no images, no loss."""
+  seg, split = np.zeros(length, np.int32), np.zeros(length, np.int32)
+  modes, at = np.zeros(length // 2, np.int8), 0
+  for s, (sample, mode, n) in enumerate(splits):
+    seg[at:at + n], split[at:at + n], modes[s] = sample, s + 1, mode
+    at += n
+  return {"segment_ids": seg, "split_ids": split, "split_modes": modes,
+          "split_lens": np.bincount(split, minlength=len(modes) + 1)[1:].astype(np.int32),
+          "token_type": np.where(seg > 0, 1, 0).astype(np.int8),
+          "num_tokens": at, "num_samples": int(seg.max()),
+          "ce_weights": np.zeros(length, np.float32), "mse_mask": np.zeros(length, bool),
+          "vit_patches": np.zeros((length, 588), np.uint8),
+          "vit_position_ids": np.zeros(length, np.int32),
+          "vit_image_ids": np.zeros(length, np.int32),
+          "vae_images": np.zeros((1, 32, 32, 3), np.uint8),
+          "vae_image_hw": np.zeros((1, 2), np.int32),
+          "num_vit_tokens": 0, "num_vae_tokens": 0}
+
+
+def test_a_causal_split_is_drawn_as_a_triangle(tmp_path):
+  # Sample 1: 30 positions of a full split, then 40 causal ones; sample 2 causal.
+  row = _literal_row([(1, 1, 30), (1, 0, 40), (2, 0, 20)])
+  out = tmp_path / "row.png"
+  inspect_row(row, str(out), vit_patch_size=14, width=128)
+  causal = tuple(int(v) for v in dict(LEGEND)["mode"][0][1])
+  per_line = (np.asarray(Image.open(out)) == causal).all(-1).sum(1)
+  # The enlarged sample (70 positions on 128 pixels) holds a 73-pixel causal triangle:
+  # one image line for each width from a few pixels up to the whole split.
+  widths = set(per_line[per_line > 0].tolist())
+  assert len(widths) >= 40 and max(widths) >= 70
