@@ -10,6 +10,7 @@ import yaml
 
 from bagel_grain import fs
 from bagel_grain.config import config_from_dict
+from bagel_grain.configs import shipped_path
 from bagel_grain.latency_proxy import LatencyProxy
 from bagel_grain.pipeline import build_pipeline
 from bagel_grain.storage_servers import LocalObjectStore
@@ -27,8 +28,8 @@ def bucket(request, demo_dir):
 
 
 def _remote_config(root: str, demo_dir):
-  """configs/demo.yaml with every path a URI under `root`."""
-  raw = yaml.safe_load((CONFIGS / "demo.yaml").read_text())
+  """The shipped demo.yaml with every path a URI under `root`."""
+  raw = yaml.safe_load(shipped_path("demo").read_text())
   info = yaml.safe_load((demo_dir / "dataset_info.yaml").read_text())
   for datasets in info.values():
     for entry in datasets.values():
