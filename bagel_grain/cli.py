@@ -1,4 +1,4 @@
-"""The `bagel-grain` command: make-sample-data, demo, inspect, make-bench-data, bench, convert.
+"""The `bagel-grain` command: make-sample-data, demo, inspect, make-bench-data, bench, index, convert.
 
 Results go to stdout, progress and errors to stderr. An error is one line naming
 what failed (`--debug` shows the traceback instead).
@@ -133,6 +133,22 @@ def _inspect(args) -> int:
   return 0
 
 
+def _index(args) -> int:
+  # pylint: disable=import-outside-toplevel
+  from tqdm import tqdm
+
+  from bagel_grain.config import load_config
+  from bagel_grain.sources.sidecar import index_config
+
+  start = time.perf_counter()
+  written = index_config(load_config(args.config), lambda total, unit, desc: tqdm(
+      total=total, unit=unit, unit_scale=unit == "B", desc=desc, file=sys.stderr))
+  for path in written:
+    print(f"wrote {path}")
+  print(f"indexed in {time.perf_counter() - start:.1f} s")
+  return 0
+
+
 def _convert(args) -> int:
   from bagel_grain.convert import convert_config_file  # pylint: disable=import-outside-toplevel
   done = convert_config_file(args.config, args.out, records_per_shard=args.records_per_shard,
@@ -259,6 +275,10 @@ def build_parser() -> argparse.ArgumentParser:
   p.add_argument("--json", help="write the full report here (default: not written)")
   p.add_argument("--plot", help="write a PNG of throughput against worker count here "
                  "(default: not drawn)")
+
+  p = command("index", _index, "write the sidecar index of a config's data, once per corpus: "
+              "builds then read no footer and scan no JSONL file")
+  p.add_argument("config", help="the config whose parquet folders and JSONL files to index")
 
   p = command("convert", _convert, "convert a config's parquet/JSONL data to ArrayRecord")
   p.add_argument("--config", required=True, help="the config whose data to convert")

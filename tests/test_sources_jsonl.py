@@ -4,7 +4,7 @@ import random
 
 import pytest
 
-from bagel_grain.sources import jsonl
+from bagel_grain.sources import sidecar
 from bagel_grain.sources.jsonl import JsonlLineSource
 
 
@@ -21,7 +21,7 @@ def test_jsonl_offsets_with_crlf_blank_lines_and_no_final_newline(tmp_path):
 def test_jsonl_offsets_do_not_depend_on_read_chunks(tmp_path, monkeypatch, chunk):
   path = tmp_path / "rows.jsonl"
   path.write_bytes(b'{"a": 1}\r\n\r\nxy\n\nlast')
-  monkeypatch.setattr(jsonl, "_CHUNK", chunk)
+  monkeypatch.setattr(sidecar, "_SCAN_CHUNK", chunk)
   source = JsonlLineSource(str(path))
   assert [source[i] for i in range(len(source))] == [b'{"a": 1}', b"", b"xy", b"", b"last"]
 

@@ -10,7 +10,7 @@ from bagel_grain.families.base import FamilyTransform
 from bagel_grain.sources.array_record import ArrayRecordSource, array_record_files
 from bagel_grain.sources.base import RecordSource
 from bagel_grain.sources.jsonl import JsonlLineSource
-from bagel_grain.sources.parquet import ParquetRowSource, dataset_files
+from bagel_grain.sources.parquet import dataset_source as parquet_dataset
 
 if TYPE_CHECKING:
   from bagel_grain.config import DatasetSpec, GroupConfig
@@ -57,7 +57,8 @@ class Family:
     if self.reads_jsonl:
       return JsonlLineSource(dataset.jsonl_path, num_used=dataset.num_used_data,
                              shuffle_lines=group.shuffle_lines, shuffle_seed=group.shuffle_seed)
-    return ParquetRowSource(dataset_files(dataset.data_dir, dataset.num_used_data), self.columns)
+    return parquet_dataset(dataset.data_dir, dataset.num_used_data, self.columns,
+                           dataset.parquet_info_path)
 
   def make_transform(self, config: GroupConfig, /, **common: Any) -> FamilyTransform:
     """The group's transform; `common` holds what every family takes (`group` its index)."""

@@ -8,6 +8,7 @@ them one by one across all files: no row-group locality is needed to read fast.
 from __future__ import annotations
 
 import concurrent.futures
+import copy
 import dataclasses
 import os
 from typing import Any, Sequence
@@ -78,18 +79,36 @@ class ArrayRecordSource:
     self._data = grain.sources.ArrayRecordDataSource(
         [_FileInstruction(p, 0, n, n) for p, n in zip(self._paths, counts)])
 
+    self._first, self._count = 0, len(self._offsets)
+
   def __len__(self) -> int:
-    return len(self._offsets)
+    return self._count
+
+  def num_blocks(self) -> int:
+    return self._count  # every record is its own block
+
+  def restrict(self, first: int, last: int) -> ArrayRecordSource:
+    if (first, last) == (0, self.num_blocks()):
+      return self
+    part = copy.copy(self)
+    part._first, part._count = self._first + first, last - first
+    return part
 
   def block_sizes(self) -> np.ndarray:
-    return np.ones(len(self), np.int64)  # every record is its own block
+    return np.ones(len(self), np.int64)
+
+  def _check(self, index: int) -> int:
+    """The index in the whole file list; IndexError outside this source."""
+    if not 0 <= index < self._count:
+      raise IndexError(index)
+    return self._first + index
 
   def record_id(self, index: int) -> str:
-    file, position = self._offsets.locate(index)
+    file, position = self._offsets.locate(self._check(index))
     return f"{self._paths[file]}:{position}"
 
   def __getitem__(self, index: int) -> Any:
-    self._offsets.locate(index)  # IndexError outside the source
+    index = self._check(index)
     try:
       data = self._data[index]
     except (RuntimeError, ValueError) as e:  # the reader's error for a damaged chunk

@@ -20,9 +20,17 @@ class RecordSource(Protocol):
   `block_sizes()` splits the indices, in order, into runs the epoch shuffle keeps
   together (a parquet row group is read once per pass); `record_id(i)` names the
   record for stats and errors (`file#row` or `file:line`).
+
+  `num_blocks()` is known before anything per record is loaded, and
+  `restrict(first, last)` is the source of blocks [first, last) only: a process
+  loads just its own share of a large corpus (see `records.ShuffledRecords`).
   """
 
   def __len__(self) -> int: ...
+
+  def num_blocks(self) -> int: ...
+
+  def restrict(self, first: int, last: int) -> RecordSource: ...
 
   def __getitem__(self, index: int) -> Any: ...
 

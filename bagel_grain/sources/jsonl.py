@@ -2,81 +2,88 @@
 
 from __future__ import annotations
 
-import random
-
 import numpy as np
 
 from bagel_grain import fs
-
-_CHUNK = 1 << 22
-
-
-def line_offsets(path: str) -> tuple[np.ndarray, np.ndarray]:
-  """Start and end byte offsets of every line, as upstream's `readlines()` splits them.
-
-  The end excludes the line break (`\\n` or `\\r\\n`); a last line without a final
-  newline counts, an empty tail after the final newline does not.
-  """
-  starts, ends = [0], []
-  position = 0
-  with fs.open_random_access(path) as f:
-    while True:
-      chunk = f.read(_CHUNK)
-      if not chunk:
-        break
-      buf = np.frombuffer(chunk, np.uint8)
-      newlines = np.flatnonzero(buf == 10) + position
-      ends.extend(newlines.tolist())
-      starts.extend((newlines + 1).tolist())
-      position += len(chunk)
-  if starts[-1] == position:  # nothing after the final newline
-    starts.pop()
-  else:
-    ends.append(position)
-  return np.asarray(starts, np.int64), np.asarray(ends, np.int64)
+from bagel_grain.sources import sidecar
 
 
 class JsonlLineSource:
   """Lines of one JSONL file as raw bytes (parsing happens in the family transform).
 
   `num_used` and `shuffle_lines`/`shuffle_seed` keep upstream's meaning: the
-  line list is shuffled with `random.Random(shuffle_seed)` (an explicit RNG, the
-  same permutation upstream's shuffle of `readlines()` makes), then cut.
+  line list is shuffled with `random.Random(shuffle_seed)` (the same permutation
+  upstream's shuffle of `readlines()` makes), then cut. Line offsets come from the
+  sidecar index when there is one (see `sidecar`), else from a scan.
+
+  Building costs nothing per line; the lines a source serves are loaded on first
+  use, or by `restrict(first, last)` (positions [first, last) only, what one
+  process's shard needs): 16 bytes a line (line number, start, length).
   """
 
   def __init__(self, path: str, *, num_used: int | None = None, shuffle_lines: bool = False,
                shuffle_seed: int = 0):
     self._path = path
-    starts, ends = line_offsets(path)
-    order = list(range(len(starts)))
-    if shuffle_lines:
-      random.Random(shuffle_seed).shuffle(order)
-    if num_used is not None:
-      order = order[:num_used]
-    order = np.asarray(order, np.int64)
-    self._line = order
-    self._start = starts[order] if len(order) else starts[:0]
-    self._end = ends[order] if len(order) else ends[:0]
+    self._index: sidecar.LineIndex | None = sidecar.LineIndex(path)
+    count = self._index.count if num_used is None else min(num_used, self._index.count)
+    self._seed = shuffle_seed if shuffle_lines else None
+    self._span = (0, count)
+    self._line = self._start = self._length = None
     self._file = None
 
+  def _load(self) -> None:
+    if self._line is not None:
+      return
+    first, last = self._span
+    if self._seed is None:
+      lines = np.arange(first, last, dtype=np.int64)
+    else:
+      lines = self._index.order(self._seed, first, last)
+    starts, lengths = self._index.spans(lines)
+    small = self._index.count < 2**31
+    self._line = lines.astype(np.int32 if small else np.int64)
+    self._start = starts
+    self._length = lengths.astype(np.uint32 if len(lengths) == 0 or lengths.max() < 2**32
+                                  else np.int64)
+    self._index = None  # shared with the source it was restricted from: not closed here
+
+  def num_blocks(self) -> int:
+    return self._span[1] - self._span[0]
+
+  def restrict(self, first: int, last: int) -> JsonlLineSource:
+    """The lines at positions [first, last) of this source, loaded."""
+    if (first, last) == (0, self.num_blocks()):
+      return self
+    part = JsonlLineSource.__new__(JsonlLineSource)
+    part.__dict__.update(self.__dict__)
+    part._span = (self._span[0] + first, self._span[0] + last)
+    part._file = None
+    if self._line is None:
+      part._load()
+    else:  # loaded already: its index is gone, cut the arrays
+      part._line, part._start, part._length = (a[first:last] for a in (
+          self._line, self._start, self._length))
+    return part
+
   def __getstate__(self):
+    self._load()  # workers get the arrays, never the index
     state = self.__dict__.copy()
     state["_file"] = None
     return state
 
   def __len__(self) -> int:
-    return len(self._line)
+    return self.num_blocks()
 
   def block_sizes(self) -> np.ndarray:
     return np.ones(len(self), np.int64)  # every record is its own block
 
   def record_id(self, index: int) -> str:
+    self._load()
     return f"{self._path}:{int(self._line[index]) + 1}"
 
   def __getitem__(self, index: int) -> bytes:
+    self._load()
     if self._file is None:
       self._file = fs.open_random_access(self._path)
-    start, end = int(self._start[index]), int(self._end[index])
-    data = self._file.read_at(end - start, start)
+    data = self._file.read_at(int(self._length[index]), int(self._start[index]))
     return data[:-1] if data.endswith(b"\r") else data
-

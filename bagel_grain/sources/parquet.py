@@ -1,4 +1,4 @@
-"""Random access to parquet rows, indexed from the files' footers (no data scan)."""
+"""Random access to parquet rows, indexed from the sidecar index or the footers (no data scan)."""
 
 from __future__ import annotations
 
@@ -8,22 +8,101 @@ import threading
 from typing import Any, Sequence
 
 import numpy as np
-import pyarrow as pa
 import pyarrow.parquet as pq
 
 from bagel_grain import fs
 from bagel_grain.errors import DatasetError
 from bagel_grain.sources.base import PartOffsets
+from bagel_grain.sources import sidecar
 
 _CACHED_ROW_GROUPS = 4  # per process; rows are read in row-group-blocked order
 
 
-def _footer(path: str) -> pq.FileMetaData:
-  try:
-    with fs.open_random_access(path) as f:
-      return pq.ParquetFile(f).metadata
-  except (OSError, pa.ArrowException) as e:
-    raise DatasetError(f"cannot read parquet footer: {e}", file=path) from None
+class ParquetCatalog:
+  """What a build knows about a dataset's parquet files before reading any row.
+
+  Per file (repeats allowed, upstream's `num_used_data`): its facts (columns and
+  row-group sizes) from the sidecar index or its footer, or only its row-group
+  count from upstream's `parquet_info`; footers are then read only for the files
+  whose blocks a process takes (`blocks`). Blocks are the non-empty row groups,
+  file by file: the units the order layer shuffles.
+  """
+
+  def __init__(self, files: Sequence[str], columns: Sequence[str], *,
+               facts: dict[str, sidecar.ParquetFileFacts] | None = None,
+               counts: dict[str, int] | None = None, counts_file: str | None = None):
+    self.files, self.columns = list(files), list(columns)
+    self._facts = dict(facts or {})
+    self._counts, self._counts_file = dict(counts or {}), counts_file
+    missing = sorted({f for f in self.files if f not in self._facts and f not in self._counts})
+    self._read_footers(missing)
+    per_file = {f: (int(np.count_nonzero(self._facts[f].row_group_rows)) if f in self._facts
+                    else self._counts[f]) for f in set(self.files)}
+    self._file_blocks = PartOffsets([per_file[f] for f in self.files])
+
+  def _read_footers(self, paths: Sequence[str]) -> None:
+    with concurrent.futures.ThreadPoolExecutor(sidecar.FOOTER_THREADS) as pool:
+      for path, meta in zip(paths, pool.map(sidecar.read_footer, paths)):
+        facts = sidecar.ParquetFileFacts.of_footer(meta)
+        if path in self._counts and (self._counts[path] != len(facts.row_group_rows)
+                                     or not np.all(facts.row_group_rows)):
+          raise DatasetError(
+              f"parquet_info says {self._counts[path]} row groups for {path}; its footer has "
+              f"{len(facts.row_group_rows)} ({int(np.count_nonzero(facts.row_group_rows))} "
+              "non-empty). Fix parquet_info, or run `bagel-grain index CONFIG` and drop it",
+              file=self._counts_file, field="parquet_info_path")
+        self._facts[path] = facts
+    for path in paths:
+      names = self._facts[path].columns
+      for column in self.columns:
+        if column not in names:
+          raise DatasetError(f"parquet file lacks column {column!r}; it has {sorted(names)}",
+                             file=path, field=column)
+
+  @property
+  def num_blocks(self) -> int:
+    return len(self._file_blocks)
+
+  def blocks(self, first: int, last: int) -> tuple[np.ndarray, np.ndarray, np.ndarray,
+                                                   np.ndarray]:
+    """Blocks [first, last) as arrays: file number, row group, rows, first row in the file."""
+    if first >= last:
+      empty = np.zeros(0, np.int64)
+      return empty, empty, empty, empty
+    lo = self._file_blocks.locate(first)[0]
+    hi = self._file_blocks.locate(last - 1)[0] + 1
+    self._read_footers(sorted({f for f in self.files[lo:hi] if f not in self._facts}))
+    file_no, rg, rows, file_row = [], [], [], []
+    for number in range(lo, hi):
+      sizes = self._facts[self.files[number]].row_group_rows
+      kept = np.flatnonzero(sizes)
+      file_no.append(np.full(len(kept), number, np.int64))
+      rg.append(kept)
+      rows.append(sizes[kept])
+      file_row.append((np.cumsum(sizes) - sizes)[kept])
+    skip = first - int(self._file_blocks.starts[lo])
+    cut = slice(skip, skip + last - first)
+    return tuple(np.concatenate(a).astype(np.int64)[cut] for a in (file_no, rg, rows, file_row))
+
+
+def dataset_catalog(data_dir: str, num_used: int | None, columns: Sequence[str],
+                    parquet_info_path: str | None = None) -> ParquetCatalog:
+  """The dataset's catalog: from the sidecar index when there is one, else from
+  `parquet_info` (counts) and footers. The folder is listed either way: its files
+  are the dataset, and their sizes and times tell a stale index."""
+  listed = fs.list_file_infos(data_dir, ".parquet")
+  if not listed:
+    raise DatasetError("no .parquet files in data_dir", file=data_dir, field="data_dir")
+  files = [fs.join(data_dir, i.base_name) for i in listed]
+  if num_used is not None:
+    files = [files[i % len(files)] for i in range(num_used)]
+  facts = sidecar.read_parquet_index(data_dir, listed)
+  if facts is not None:
+    return ParquetCatalog(files, columns, facts=facts)
+  if parquet_info_path is not None:
+    counts = sidecar.row_group_counts(files, sidecar.read_parquet_info(parquet_info_path))
+    return ParquetCatalog(files, columns, counts=counts, counts_file=parquet_info_path)
+  return ParquetCatalog(files, columns)
 
 
 class ParquetRowSource:
@@ -32,45 +111,51 @@ class ParquetRowSource:
   Index order is file by file, row group by row group; `block_sizes()` gives the
   row groups' sizes so the order layer can shuffle them as units and read
   each row group once per pass. A small LRU of decoded row groups serves the rows.
+  `restrict(first, last)` keeps blocks [first, last) only: a process holds (and
+  reads footers for) its own share.
   """
 
-  def __init__(self, files: Sequence[str], columns: Sequence[str]):
+  def __init__(self, files: Sequence[str], columns: Sequence[str], *,
+               catalog: ParquetCatalog | None = None, blocks: tuple[int, int] | None = None):
+    self._catalog = catalog or ParquetCatalog(files, columns)
     self._files = list(files)
     self._columns = list(columns)
-    unique = sorted(set(self._files))
-    with concurrent.futures.ThreadPoolExecutor(8) as pool:
-      footers = dict(zip(unique, pool.map(_footer, unique)))
-    for path, meta in footers.items():
-      names = set(meta.schema.to_arrow_schema().names)
-      for column in self._columns:
-        if column not in names:
-          raise DatasetError(f"parquet file lacks column {column!r}; it has {sorted(names)}",
-                             file=path, field=column)
-    block_file, block_rg, sizes = [], [], []
-    for file_index, path in enumerate(self._files):
-      meta = footers[path]
-      for rg in range(meta.num_row_groups):
-        n = meta.row_group(rg).num_rows
-        if n:
-          block_file.append(file_index)
-          block_rg.append(rg)
-          sizes.append(n)
-    self._block_file = np.asarray(block_file, np.int64)
-    self._block_rg = np.asarray(block_rg, np.int64)
-    self._blocks = PartOffsets(sizes)
-    # Row number of each block's first row within its file, for record ids.
-    file_row = np.zeros(len(sizes), np.int64)
-    for b in range(1, len(sizes)):
-      if block_file[b] == block_file[b - 1]:
-        file_row[b] = file_row[b - 1] + sizes[b - 1]
-    self._block_file_row = file_row
+    self._range = blocks or (0, self._catalog.num_blocks)
+    self._built = False
     self._cache: collections.OrderedDict = collections.OrderedDict()
     self._lock = threading.Lock()
     self.row_group_reads = 0
     self.bytes_read = 0  # decoded row-group bytes, against bytes_served: the cost of blocking
     self.bytes_served = 0
 
+  def num_blocks(self) -> int:
+    return self._range[1] - self._range[0]
+
+  def restrict(self, first: int, last: int) -> ParquetRowSource:
+    if (first, last) == (0, self.num_blocks()):
+      return self
+    start = self._range[0]
+    blocks = (start + first, start + last)
+    if not self._built:
+      return ParquetRowSource(self._files, self._columns, catalog=self._catalog, blocks=blocks)
+    part = ParquetRowSource.__new__(ParquetRowSource)  # the catalog is gone: cut the arrays
+    part.__setstate__({**self.__getstate__(), "_range": blocks})
+    arrays = (self._block_file, self._block_rg, self._blocks.sizes, self._block_file_row)
+    part._set_blocks(*(a[first:last] for a in arrays))
+    return part
+
+  def _build(self) -> None:
+    if not self._built:
+      self._set_blocks(*self._catalog.blocks(*self._range))
+
+  def _set_blocks(self, block_file, block_rg, sizes, file_row) -> None:
+    self._block_file, self._block_rg, self._block_file_row = block_file, block_rg, file_row
+    self._blocks = PartOffsets(sizes)
+    self._catalog = None  # what this source needs is in its arrays now
+    self._built = True
+
   def __getstate__(self):
+    self._build()  # workers get the arrays, never the catalog
     state = self.__dict__.copy()
     state["_cache"] = collections.OrderedDict()
     state["_lock"] = None
@@ -81,12 +166,15 @@ class ParquetRowSource:
     self._lock = threading.Lock()
 
   def __len__(self) -> int:
+    self._build()
     return len(self._blocks)
 
   def block_sizes(self) -> np.ndarray:
+    self._build()
     return self._blocks.sizes
 
   def record_id(self, index: int) -> str:
+    self._build()
     block, row = self._blocks.locate(index)
     return f"{self._files[self._block_file[block]]}#{int(self._block_file_row[block]) + row}"
 
@@ -108,6 +196,7 @@ class ParquetRowSource:
     return columns
 
   def __getitem__(self, index: int) -> dict[str, Any]:
+    self._build()
     block, row = self._blocks.locate(index)
     columns = self._row_group(block)
     fields = {name: values[row] for name, values in columns.items()}
@@ -131,3 +220,10 @@ def dataset_files(data_dir: str, num_used: int | None) -> list[str]:
   if num_used is None:
     return files
   return [files[i % len(files)] for i in range(num_used)]
+
+
+def dataset_source(data_dir: str, num_used: int | None, columns: Sequence[str],
+                   parquet_info_path: str | None = None) -> ParquetRowSource:
+  """The rows of a parquet dataset folder (see `dataset_catalog`)."""
+  catalog = dataset_catalog(data_dir, num_used, columns, parquet_info_path)
+  return ParquetRowSource(catalog.files, columns, catalog=catalog)

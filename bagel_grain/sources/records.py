@@ -40,9 +40,16 @@ class ConcatSource:
   A `RecordSource` itself, plus `locate`: which dataset an index falls in.
   """
 
-  def __init__(self, sources: Sequence[RecordSource]):
+  def __init__(self, sources: Sequence[RecordSource], datasets: Sequence[int] | None = None):
     self._sources = list(sources)
-    self._offsets = PartOffsets([len(s) for s in self._sources])
+    self._datasets = list(range(len(self._sources)) if datasets is None else datasets)
+    self._part_offsets: PartOffsets | None = None  # lengths load sources: asked for late
+
+  @property
+  def _offsets(self) -> PartOffsets:
+    if self._part_offsets is None:
+      self._part_offsets = PartOffsets([len(s) for s in self._sources])
+    return self._part_offsets
 
   @property
   def sources(self) -> tuple[RecordSource, ...]:
@@ -51,20 +58,49 @@ class ConcatSource:
   def __len__(self) -> int:
     return len(self._offsets)
 
+  def num_blocks(self) -> int:
+    return sum(s.num_blocks() for s in self._sources)
+
+  def restrict(self, first: int, last: int) -> ConcatSource:
+    """Blocks [first, last) of the datasets laid end to end; records keep their dataset."""
+    if (first, last) == (0, self.num_blocks()):
+      return self
+    parts, datasets, start = [], [], 0
+    for source, dataset in zip(self._sources, self._datasets):
+      n = source.num_blocks()
+      lo, hi = max(first - start, 0), min(last - start, n)
+      if lo < hi:
+        parts.append(source.restrict(lo, hi))
+        datasets.append(dataset)
+      start += n
+    return ConcatSource(parts, datasets)
+
   def locate(self, index: int) -> tuple[int, int]:
     """(dataset number, index within that dataset)."""
-    return self._offsets.locate(index)
+    part, i = self._offsets.locate(index)
+    return self._datasets[part], i
+
+  def _part(self, index: int) -> tuple[RecordSource, int]:
+    part, i = self._offsets.locate(index)
+    return self._sources[part], i
 
   def block_sizes(self) -> np.ndarray:
     return np.concatenate([s.block_sizes() for s in self._sources]).astype(np.int64)
 
   def record_id(self, index: int) -> str:
-    d, i = self.locate(index)
-    return self._sources[d].record_id(i)
+    source, i = self._part(index)
+    return source.record_id(i)
 
   def __getitem__(self, index: int):
-    d, i = self.locate(index)
-    return self._sources[d][i]
+    source, i = self._part(index)
+    return source[i]
+
+
+def block_share(num_blocks: int, process_index: int, process_count: int) -> tuple[int, int]:
+  """Blocks [first, last) of one process: `np.array_split`'s contiguous share, by arithmetic."""
+  base, extra = divmod(num_blocks, process_count)
+  first = process_index * base + min(process_index, extra)
+  return first, first + base + (process_index < extra)
 
 
 def shard_blocks(sizes: np.ndarray, process_index: int,
@@ -85,14 +121,24 @@ def shard_blocks(sizes: np.ndarray, process_index: int,
 
 
 class ShuffledRecords(grain.MapDataset):
-  """Process-local records, reshuffled each epoch; endless when `num_epochs` is None."""
+  """Process-local records, reshuffled each epoch; endless when `num_epochs` is None.
+
+  With at least one block per process, the source is restricted to this process's
+  blocks before anything per record is loaded: rows are numbered from the share's
+  first block, a constant shift that leaves the order (a permutation of blocks,
+  then of rows inside each) exactly as on the whole source.
+  """
 
   def __init__(self, source: ConcatSource, *, seed: int, process_index: int = 0,
                process_count: int = 1, num_epochs: int | None = None):
     super().__init__()
+    if source.num_blocks() >= process_count:
+      source = source.restrict(*block_share(source.num_blocks(), process_index, process_count))
+      process_share = (0, 1)
+    else:  # fewer blocks than processes: rows are shared out one by one
+      process_share = (process_index, process_count)
     self._source = source
-    self._block_start, self._block_len = shard_blocks(source.block_sizes(), process_index,
-                                                      process_count)
+    self._block_start, self._block_len = shard_blocks(source.block_sizes(), *process_share)
     self._per_epoch = int(self._block_len.sum())
     if self._per_epoch == 0:
       raise DatasetError("the group has no records")

@@ -1,0 +1,392 @@
+"""The sidecar index of a corpus: what a build must know about the files, written once.
+
+`bagel-grain index CONFIG` writes it next to the data, so every host finds it;
+a build that finds it fresh reads nothing else about the corpus (no parquet
+footer, no JSONL scan), and one that does not find it scans as before, with a
+warning. A stale index (a file changed after it was written) is refused.
+
+- A parquet dataset folder gets `.bagel_index.arrow` (Arrow IPC): one row per
+  parquet file with its name, size, modification time, column names and the rows
+  of each row group.
+- A JSONL file `F` gets `F.bagel_index.json` (its size, modification time and line
+  count), `F.bagel_lines.npy` (the byte offset where each line starts, plus one
+  past the last line: N + 1 int64, memory-mappable) and, for each `shuffle_seed`
+  a config shuffles it with, `F.bagel_shuffle_SEED.npy` (upstream's line order).
+
+Freshness is checked by size and modification time (an object store's
+last-modified time changes whenever the object is rewritten).
+"""
+
+from __future__ import annotations
+
+import array
+import concurrent.futures
+import json
+import logging
+import random
+from typing import Callable, Sequence
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+from pyarrow import fs as pafs
+
+from bagel_grain import fs
+from bagel_grain.errors import DatasetError
+
+log = logging.getLogger(__name__)
+
+PARQUET_INDEX = ".bagel_index.arrow"
+_PARQUET_FORMAT = b"bagel-grain parquet index 1"
+_JSONL_FORMAT = "bagel-grain jsonl index 1"
+_SCAN_CHUNK = 1 << 24
+_GATHER_CHUNK = 1 << 20  # boundaries read at a time when gathering a shard's lines
+FOOTER_THREADS = 16
+
+
+def _stamp(info: pafs.FileInfo) -> tuple[int, int]:
+  return int(info.size), int(info.mtime_ns or 0)
+
+
+def _rebuild_hint(what: str) -> str:
+  return (f"{what}; run `bagel-grain index CONFIG` to rebuild the index, or delete it "
+          "to scan the data at every start")
+
+
+# -- parquet ---------------------------------------------------------------------
+
+
+def read_footer(path: str) -> pq.FileMetaData:
+  try:
+    with fs.open_random_access(path) as f:
+      return pq.ParquetFile(f).metadata
+  except (OSError, pa.ArrowException) as e:
+    raise DatasetError(f"cannot read parquet footer: {e}", file=path) from None
+
+
+class ParquetFileFacts:
+  """Per parquet file: its columns and the rows of each of its row groups."""
+
+  def __init__(self, columns: Sequence[str], row_group_rows: np.ndarray):
+    self.columns = tuple(columns)
+    self.row_group_rows = np.asarray(row_group_rows, np.int64)
+
+  @classmethod
+  def of_footer(cls, meta: pq.FileMetaData) -> ParquetFileFacts:
+    return cls(meta.schema.to_arrow_schema().names,
+               [meta.row_group(i).num_rows for i in range(meta.num_row_groups)])
+
+
+def write_parquet_index(data_dir: str, progress: Callable | None = None) -> str:
+  """Reads every footer of the folder's parquet files once; writes the folder's index."""
+  infos = fs.list_file_infos(data_dir, ".parquet")
+  if not infos:
+    raise DatasetError("no .parquet files in data_dir", file=data_dir, field="data_dir")
+  paths = [fs.join(data_dir, i.base_name) for i in infos]
+  with concurrent.futures.ThreadPoolExecutor(FOOTER_THREADS) as pool:
+    facts = []
+    for meta in pool.map(read_footer, paths):
+      facts.append(ParquetFileFacts.of_footer(meta))
+      if progress:
+        progress(1)
+  table = pa.table({
+      "name": [i.base_name for i in infos],
+      "size": pa.array([_stamp(i)[0] for i in infos], pa.int64()),
+      "mtime_ns": pa.array([_stamp(i)[1] for i in infos], pa.int64()),
+      "columns": pa.array([list(f.columns) for f in facts], pa.list_(pa.string())),
+      "row_group_rows": pa.array([f.row_group_rows for f in facts], pa.list_(pa.int64())),
+  }).replace_schema_metadata({b"format": _PARQUET_FORMAT})
+  path = fs.join(data_dir, PARQUET_INDEX)
+  with fs.open_output(path) as out, pa.ipc.new_file(out, table.schema) as writer:
+    writer.write_table(table)
+  return path
+
+
+def read_parquet_index(data_dir: str,
+                       listed: Sequence[pafs.FileInfo]) -> dict[str, ParquetFileFacts] | None:
+  """The folder's index as {file path: facts}; None (and a warning) when there is none.
+
+  DatasetError when a listed file is missing from the index or changed since.
+  """
+  path = fs.join(data_dir, PARQUET_INDEX)
+  try:
+    with fs.open_random_access(path) as f:
+      table = pa.ipc.open_file(f).read_all()
+  except FileNotFoundError:
+    log.warning("no sidecar index in %s: reading parquet footers (run `bagel-grain "
+                "index CONFIG` once to skip this at every start)", data_dir)
+    return None
+  except (OSError, pa.ArrowException) as e:
+    raise DatasetError(_rebuild_hint(f"unreadable sidecar index: {e}"), file=path) from None
+  if (table.schema.metadata or {}).get(b"format") != _PARQUET_FORMAT:
+    raise DatasetError(_rebuild_hint("not a bagel-grain parquet index"), file=path)
+  names = table.column("name").to_pylist()
+  stamps = dict(zip(names, zip(table.column("size").to_pylist(),
+                               table.column("mtime_ns").to_pylist())))
+  for info in listed:
+    if info.base_name not in stamps:
+      raise DatasetError(_rebuild_hint(f"the index does not know {info.base_name}, added "
+                                       "since it was written"), file=path, field="data_dir")
+    if _stamp(info) != tuple(stamps[info.base_name]):
+      raise DatasetError(_rebuild_hint(f"{info.base_name} changed since the index was written "
+                                       f"(size, mtime now {_stamp(info)}, indexed "
+                                       f"{tuple(stamps[info.base_name])})"),
+                         file=path, field="data_dir")
+  if len(listed) != len(names):
+    gone = sorted(set(names) - {i.base_name for i in listed})
+    raise DatasetError(_rebuild_hint(f"indexed files are gone: {gone[:3]}"), file=path,
+                       field="data_dir")
+  columns = table.column("columns").to_pylist()
+  rows = table.column("row_group_rows")
+  return {fs.join(data_dir, name): ParquetFileFacts(columns[i], rows[i].values.to_numpy())
+          for i, name in enumerate(names)}
+
+
+def read_parquet_info(path: str) -> dict[str, int]:
+  """Upstream's `parquet_info` JSON as {parquet path as written: num_row_groups}."""
+  try:
+    raw = json.loads(fs.read_bytes(path))
+  except (OSError, ValueError) as e:
+    raise DatasetError(f"cannot read parquet_info: {e}", file=path,
+                       field="parquet_info_path") from None
+  counts = {}
+  if isinstance(raw, dict):
+    for key, entry in raw.items():
+      n = entry.get("num_row_groups") if isinstance(entry, dict) else None
+      if isinstance(n, int) and not isinstance(n, bool) and n >= 0:
+        counts[key] = n
+  if not isinstance(raw, dict) or len(counts) != len(raw):
+    raise DatasetError("parquet_info must map each parquet path to {\"num_row_groups\": N}",
+                       file=path, field="parquet_info_path")
+  return counts
+
+
+def row_group_counts(files: Sequence[str], info: dict[str, int]) -> dict[str, int]:
+  """The parquet_info count of each file found in it, keyed by our path.
+
+  A key names a file when it is the file's path, or its trailing part (a key
+  written relative to some root, or on another machine): the longest match wins.
+  """
+  by_tail = {key.lstrip("./"): n for key, n in info.items()}
+  by_tail.update(info)
+  found = {}
+  for path in set(files):
+    parts = path.split("/")
+    for i in range(len(parts)):  # longest tail first
+      tail = "/".join(parts[i:])
+      if tail in by_tail:
+        found[path] = by_tail[tail]
+        break
+  return found
+
+
+# -- JSONL -----------------------------------------------------------------------
+
+
+def _jsonl_paths(path: str) -> tuple[str, str]:
+  return path + ".bagel_index.json", path + ".bagel_lines.npy"
+
+
+def shuffle_path(path: str, seed: int) -> str:
+  return f"{path}.bagel_shuffle_{int(seed)}.npy"
+
+
+def scan_line_starts(path: str, progress: Callable | None = None) -> np.ndarray:
+  """N + 1 int64: where each of the N lines starts, then one past the last line's end.
+
+  Line i is bytes [b[i], b[i + 1] - 1) (its `\\n` excluded), as upstream's
+  `readlines()` splits them: a last line without a final newline counts, an
+  empty tail after the final newline does not. Chunks are scanned by numpy; the
+  offsets never pass through Python lists.
+  """
+  pieces, position = [np.zeros(1, np.int64)], 0
+  with fs.filesystem(path)[0].open_input_stream(fs.filesystem(path)[1]) as f:
+    while True:
+      chunk = f.read(_SCAN_CHUNK)
+      if not chunk:
+        break
+      newlines = np.flatnonzero(np.frombuffer(chunk, np.uint8) == 10)
+      pieces.append(newlines.astype(np.int64) + (position + 1))
+      position += len(chunk)
+      if progress:
+        progress(len(chunk))
+  starts = np.concatenate(pieces)
+  del pieces
+  if starts[-1] != position:  # a last line without a final newline
+    starts = np.append(starts, position + 1)
+  return starts
+
+
+def upstream_line_order(n: int, seed: int) -> np.ndarray:
+  """The line order upstream's `random.Random(seed).shuffle(lines)` makes, as int64.
+
+  The same swaps, on an 8-byte-per-line array instead of a list of Python ints.
+  """
+  order = array.array("q")
+  order.frombytes(np.arange(n, dtype=np.int64).tobytes())
+  random.Random(seed).shuffle(order)
+  return np.frombuffer(order, np.int64)
+
+
+def _write_npy(path: str, values: np.ndarray) -> None:
+  with fs.open_output(path) as out:
+    np.lib.format.write_array(out, np.ascontiguousarray(values), allow_pickle=False)
+
+
+def write_jsonl_index(path: str, shuffle_seeds: Sequence[int] = (),
+                      progress: Callable | None = None) -> list[str]:
+  """Scans the file once; writes its line offsets, its shuffles and, last, its stamp."""
+  info = fs.file_info(path)
+  starts = scan_line_starts(path, progress)
+  meta_path, lines_path = _jsonl_paths(path)
+  _write_npy(lines_path, starts)
+  written = [lines_path]
+  for seed in sorted(set(shuffle_seeds)):
+    order = upstream_line_order(len(starts) - 1, seed)
+    dtype = np.int32 if len(order) < 2**31 else np.int64
+    _write_npy(shuffle_path(path, seed), order.astype(dtype))
+    written.append(shuffle_path(path, seed))
+  size, mtime = _stamp(info)
+  fs.write_bytes(meta_path, json.dumps({"format": _JSONL_FORMAT, "size": size,
+                                        "mtime_ns": mtime, "lines": len(starts) - 1,
+                                        "shuffle_seeds": sorted(set(shuffle_seeds))}).encode())
+  return [meta_path] + written
+
+
+class NpyRange:
+  """Slices of a 1-D .npy file, read by range (local or remote): no whole-file load."""
+
+  def __init__(self, path: str):
+    self.path = path
+    self._file = fs.open_random_access(path)
+    version = np.lib.format.read_magic(self._file)
+    read_header = (np.lib.format.read_array_header_1_0 if version == (1, 0)
+                   else np.lib.format.read_array_header_2_0)
+    shape, fortran, dtype = read_header(self._file)
+    if len(shape) != 1 or fortran or dtype.hasobject:
+      raise DatasetError(_rebuild_hint("not a 1-D array of numbers"), file=path)
+    self.dtype, self.size, self._offset = dtype, shape[0], self._file.tell()
+
+  def read(self, start: int, stop: int) -> np.ndarray:
+    n = max(0, stop - start)
+    data = self._file.read_at(n * self.dtype.itemsize, self._offset + start * self.dtype.itemsize)
+    if len(data) != n * self.dtype.itemsize:
+      raise DatasetError(_rebuild_hint("index file is truncated"), file=self.path)
+    return np.frombuffer(data, self.dtype)
+
+  def close(self) -> None:
+    self._file.close()
+
+
+class LineIndex:
+  """Where the lines of one JSONL file are: from its sidecar when fresh, else by a scan."""
+
+  def __init__(self, path: str):
+    self.path = path
+    self._lines: NpyRange | None = None
+    self._starts: np.ndarray | None = None
+    meta_path, lines_path = _jsonl_paths(path)
+    try:
+      meta = json.loads(fs.read_bytes(meta_path))
+    except FileNotFoundError:
+      log.warning("no sidecar index for %s: scanning it for line offsets (run `bagel-grain "
+                  "index CONFIG` once to skip this at every start)", path)
+      self._starts = scan_line_starts(path)
+      self.count = len(self._starts) - 1
+      return
+    except (OSError, ValueError) as e:
+      raise DatasetError(_rebuild_hint(f"unreadable sidecar index: {e}"), file=meta_path) from None
+    now = _stamp(fs.file_info(path))
+    if not isinstance(meta, dict) or meta.get("format") != _JSONL_FORMAT:
+      raise DatasetError(_rebuild_hint("not a bagel-grain JSONL index"), file=meta_path)
+    if (meta.get("size"), meta.get("mtime_ns")) != now:
+      raise DatasetError(_rebuild_hint(
+          f"the JSONL file changed since the index was written (size, mtime now {now}, "
+          f"indexed {(meta.get('size'), meta.get('mtime_ns'))})"), file=meta_path,
+                         field="jsonl_path")
+    self._lines = NpyRange(lines_path)
+    self.count = int(meta["lines"])
+    if self._lines.size != self.count + 1:
+      raise DatasetError(_rebuild_hint("line offsets do not match the line count"),
+                         file=lines_path)
+
+  def order(self, seed: int, first: int, last: int) -> np.ndarray:
+    """Positions [first, last) of upstream's shuffled line order (stored, or computed)."""
+    stored = shuffle_path(self.path, seed)
+    if self._lines is not None and fs.exists(stored):
+      shuffle = NpyRange(stored)
+      try:
+        if shuffle.size != self.count:
+          raise DatasetError(_rebuild_hint("stored shuffle does not match the line count"),
+                             file=stored)
+        return shuffle.read(first, last).astype(np.int64)
+      finally:
+        shuffle.close()
+    if self._lines is not None:
+      log.warning("no stored shuffle for seed %d in the sidecar index of %s: shuffling "
+                  "%d lines here", seed, self.path, self.count)
+    return upstream_line_order(self.count, seed)[first:last].copy()
+
+  def spans(self, lines: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(start offset, length without the newline) of each line number in `lines`."""
+    lines = np.asarray(lines, np.int64)
+    if self._starts is not None:
+      starts, nexts = self._starts[lines], self._starts[lines + 1]
+      return starts, nexts - 1 - starts
+    if len(lines) and np.all(np.diff(lines) == 1):  # a contiguous run: one read
+      bounds = self._lines.read(int(lines[0]), int(lines[-1]) + 2)
+      return bounds[:-1].copy(), np.diff(bounds) - 1
+    starts, nexts = np.empty(len(lines), np.int64), np.empty(len(lines), np.int64)
+    by_line = np.argsort(lines, kind="stable")
+    wanted = lines[by_line]
+    for chunk_start in range(0, self.count, _GATHER_CHUNK):
+      lo, hi = np.searchsorted(wanted, [chunk_start, chunk_start + _GATHER_CHUNK])
+      if lo == hi:
+        continue
+      bounds = self._lines.read(chunk_start, min(chunk_start + _GATHER_CHUNK, self.count) + 1)
+      local = wanted[lo:hi] - chunk_start
+      starts[by_line[lo:hi]] = bounds[local]
+      nexts[by_line[lo:hi]] = bounds[local + 1]
+    return starts, nexts - 1 - starts
+
+  def close(self) -> None:
+    if self._lines is not None:
+      self._lines.close()
+
+
+# -- a whole config ----------------------------------------------------------------
+
+
+def index_config(cfg, progress_factory: Callable) -> list[str]:
+  """Writes the sidecar index of every parquet folder and JSONL file a config reads.
+
+  `progress_factory(total, unit, desc)` returns a progress bar (tqdm's interface:
+  `update(n)`, `close()`). Converted (ArrayRecord) datasets need none. Returns the
+  paths written.
+  """
+  parquet_dirs, jsonl_seeds = {}, {}
+  for group in cfg.groups:
+    for d in group.datasets:
+      if d.array_record_path is not None:
+        continue
+      if group.family.reads_jsonl:
+        seeds = jsonl_seeds.setdefault(d.jsonl_path, set())
+        if group.shuffle_lines:
+          seeds.add(group.shuffle_seed)
+      else:
+        parquet_dirs[d.data_dir] = None
+  written = []
+  for data_dir in parquet_dirs:
+    bar = progress_factory(len(fs.list_file_infos(data_dir, ".parquet")), "file",
+                           f"footers of {data_dir}")
+    try:
+      written.append(write_parquet_index(data_dir, bar.update))
+    finally:
+      bar.close()
+  for path, seeds in jsonl_seeds.items():
+    bar = progress_factory(fs.file_info(path).size, "B", f"lines of {path}")
+    try:
+      written.extend(write_jsonl_index(path, sorted(seeds), bar.update))
+    finally:
+      bar.close()
+  return written

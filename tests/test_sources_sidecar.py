@@ -1,0 +1,192 @@
+"""The sidecar index: same records as a scan, no footer or line scan when fresh, stale refused."""
+
+import json
+import logging
+import os
+import random
+import shutil
+
+import numpy as np
+import pytest
+import yaml
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from bagel_grain import cli
+from bagel_grain.errors import DatasetError
+from bagel_grain.pipeline import build_pipeline
+from bagel_grain.sources import sidecar
+from bagel_grain.sources.jsonl import JsonlLineSource
+from bagel_grain.sources.parquet import dataset_source
+from bagel_grain.sources.records import ConcatSource, ShuffledRecords
+from conftest import CONFIGS, redirected_config
+from parquet_files import write_parquet
+
+
+@given(st.binary(max_size=64).map(lambda b: b.replace(b"\r", b"")), st.integers(1, 9))
+@settings(max_examples=200, deadline=None)
+def test_line_starts_split_as_readlines_does(tmp_path_factory, data, chunk):
+  path = tmp_path_factory.mktemp("lines") / "f.jsonl"
+  path.write_bytes(data)
+  old, sidecar._SCAN_CHUNK = sidecar._SCAN_CHUNK, chunk  # pylint: disable=protected-access
+  try:
+    starts = sidecar.scan_line_starts(str(path))
+  finally:
+    sidecar._SCAN_CHUNK = old  # pylint: disable=protected-access
+  lines = [line.rstrip(b"\n") for line in data.splitlines(keepends=True)]
+  assert starts.dtype == np.int64 and len(starts) == len(lines) + 1
+  assert [data[a:b - 1] for a, b in zip(starts[:-1], starts[1:])] == lines
+
+
+def test_stored_line_order_is_upstreams_shuffle():
+  expected = list(range(1000))
+  random.Random(7).shuffle(expected)
+  assert sidecar.upstream_line_order(1000, 7).tolist() == expected
+
+
+def _jsonl(tmp_path, n=50):
+  path = tmp_path / "rows.jsonl"
+  path.write_bytes(b"".join(f'{{"n": {i}}}{chr(13) if i % 3 == 0 else ""}\n'.encode()
+                            for i in range(n)))
+  return str(path)
+
+
+def _records(source, **kwargs):
+  records = ShuffledRecords(ConcatSource([source]), seed=5, **kwargs)
+  return [(r.record_id, r.fields) for r in (records[i] for i in range(records.records_per_epoch))]
+
+
+@pytest.mark.parametrize("process_index", [0, 2])
+@pytest.mark.parametrize("shuffle", [False, True])
+def test_indexed_jsonl_gives_the_scanned_records(tmp_path, process_index, shuffle):
+  path = _jsonl(tmp_path)
+  kwargs = dict(num_used=40, shuffle_lines=shuffle, shuffle_seed=3)
+  shard = dict(process_index=process_index, process_count=3)
+  scanned = _records(JsonlLineSource(path, **kwargs), **shard)
+  sidecar.write_jsonl_index(path, [3] if shuffle else [])
+  indexed_source = JsonlLineSource(path, **kwargs)
+  indexed = _records(indexed_source, **shard)
+  assert indexed == scanned and len(indexed) in (13, 14)
+
+
+def test_a_shard_holds_sixteen_bytes_a_line_of_its_own_lines_only(tmp_path):
+  path = _jsonl(tmp_path, 90)
+  sidecar.write_jsonl_index(path, [1])
+  source = JsonlLineSource(path, shuffle_lines=True, shuffle_seed=1)
+  part = source.restrict(30, 60)
+  arrays = (part._line, part._start, part._length)  # pylint: disable=protected-access
+  assert all(len(a) == 30 for a in arrays)
+  assert sum(a.itemsize for a in arrays) == 16
+
+
+def test_jsonl_without_index_warns_and_with_a_stale_one_is_refused(tmp_path, caplog):
+  path = _jsonl(tmp_path)
+  with caplog.at_level(logging.WARNING):
+    JsonlLineSource(path)
+  assert "no sidecar index" in caplog.text
+  sidecar.write_jsonl_index(path)
+  with open(path, "ab") as f:
+    f.write(b'{"n": 50}\n')
+  with pytest.raises(DatasetError, match="changed since the index was written") as e:
+    JsonlLineSource(path)
+  assert e.value.file.endswith(".bagel_index.json")
+
+
+def _parquet_dir(tmp_path, files=4):
+  folder = tmp_path / "pq"
+  folder.mkdir()
+  for f in range(files):
+    write_parquet(folder / f"part-{f}.parquet",
+                  [[f"{f}:{g}:{r}" for r in range(2 + g)] for g in range(3)])
+  return str(folder)
+
+
+@pytest.mark.parametrize("process_index", [0, 1])
+def test_indexed_parquet_reads_no_footer_and_gives_the_same_records(tmp_path, monkeypatch,
+                                                                   process_index):
+  folder = _parquet_dir(tmp_path)
+  shard = dict(process_index=process_index, process_count=2)
+  footers = _records(dataset_source(folder, 6, ["id"]), **shard)
+  sidecar.write_parquet_index(folder)
+  monkeypatch.setattr(sidecar, "read_footer", _no_footer)
+  assert _records(dataset_source(folder, 6, ["id"]), **shard) == footers
+
+
+def _no_footer(path):
+  raise AssertionError(f"footer of {path} read")
+
+
+def test_parquet_info_spares_the_footers_of_other_processes_files(tmp_path, monkeypatch):
+  folder = _parquet_dir(tmp_path)
+  expected = _records(dataset_source(folder, None, ["id"]), process_index=1, process_count=2)
+  info = tmp_path / "parquet_info.json"
+  info.write_text(json.dumps({f"pq/part-{f}.parquet": {"num_row_groups": 3, "num_rows": 9}
+                              for f in range(4)}))
+  read = []
+  real = sidecar.read_footer
+  monkeypatch.setattr(sidecar, "read_footer", lambda p: read.append(p) or real(p))
+  got = _records(dataset_source(folder, None, ["id"], str(info)), process_index=1,
+                 process_count=2)
+  assert got == expected
+  assert sorted(os.path.basename(p) for p in read) == ["part-2.parquet", "part-3.parquet"]
+
+
+def test_parquet_info_that_disagrees_with_a_footer_names_both(tmp_path):
+  folder = _parquet_dir(tmp_path, files=1)
+  info = tmp_path / "parquet_info.json"
+  info.write_text(json.dumps({"part-0.parquet": {"num_row_groups": 2}}))
+  with pytest.raises(DatasetError, match="parquet_info says 2 row groups") as e:
+    ShuffledRecords(ConcatSource([dataset_source(folder, None, ["id"], str(info))]), seed=0)
+  assert e.value.file == str(info)
+
+
+@pytest.mark.parametrize("change", ["rewritten", "added", "removed"])
+def test_a_stale_parquet_index_is_refused_naming_the_file(tmp_path, change):
+  folder = _parquet_dir(tmp_path)
+  sidecar.write_parquet_index(folder)
+  if change == "rewritten":
+    write_parquet(os.path.join(folder, "part-1.parquet"), [["x"]])
+  elif change == "added":
+    write_parquet(os.path.join(folder, "part-9.parquet"), [["x"]])
+  else:
+    os.remove(os.path.join(folder, "part-3.parquet"))
+  with pytest.raises(DatasetError, match="bagel-grain index CONFIG") as e:
+    dataset_source(folder, None, ["id"])
+  assert e.value.file.endswith(sidecar.PARQUET_INDEX)
+
+
+def test_index_command_then_the_demo_builds_without_scans_and_streams_the_same(
+    tmp_path, demo_dir, demo_tokenizer, monkeypatch, capsys):
+  data = tmp_path / "demo"
+  shutil.copytree(demo_dir, data)
+  cfg = redirected_config("demo.yaml", data)
+
+  def batches():
+    it = iter(build_pipeline(cfg, demo_tokenizer, batch_size=2, process_index=1,
+                             process_count=2))
+    try:
+      return [next(it) for _ in range(3)]
+    finally:
+      it.close()
+
+  before = batches()
+  config_path = tmp_path / "demo.yaml"
+  config_path.write_text(_demo_yaml(data))
+  assert cli.main(["index", str(config_path)]) == 0
+  assert "wrote" in capsys.readouterr().out
+  monkeypatch.setattr(sidecar, "read_footer", _no_footer)
+  monkeypatch.setattr(sidecar, "scan_line_starts", _no_footer)
+  after = batches()
+  for a, b in zip(before, after, strict=True):
+    for key in a:
+      if key == "sample_keys":
+        assert a[key] == b[key]
+      else:
+        assert np.array_equal(a[key], b[key]), key
+
+
+def _demo_yaml(data) -> str:
+  raw = yaml.safe_load((CONFIGS / "demo.yaml").read_text())
+  raw["dataset_info"] = str(data / "dataset_info.yaml")
+  raw["tokenizer_path"] = str(data / "tokenizer")
+  return yaml.safe_dump(raw)
