@@ -13,13 +13,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from bagel_grain import cli
+from bagel_grain.config import load_config
+from bagel_grain.configs import shipped_path
 from bagel_grain.errors import DatasetError
 from bagel_grain.pipeline import build_pipeline
 from bagel_grain.sources import sidecar
 from bagel_grain.sources.jsonl import JsonlLineSource
 from bagel_grain.sources.parquet import dataset_source
 from bagel_grain.sources.records import ConcatSource, ShuffledRecords
-from conftest import CONFIGS, redirected_config
 from parquet_files import write_parquet
 
 
@@ -159,7 +160,6 @@ def test_index_command_then_the_demo_builds_without_scans_and_streams_the_same(
     tmp_path, demo_dir, demo_tokenizer, monkeypatch, capsys):
   data = tmp_path / "demo"
   shutil.copytree(demo_dir, data)
-  cfg = redirected_config("demo.yaml", data)
 
   def batches():
     it = iter(build_pipeline(cfg, demo_tokenizer, batch_size=2, process_index=1,
@@ -169,9 +169,10 @@ def test_index_command_then_the_demo_builds_without_scans_and_streams_the_same(
     finally:
       it.close()
 
-  before = batches()
   config_path = tmp_path / "demo.yaml"
   config_path.write_text(_demo_yaml(data))
+  cfg = load_config(config_path)
+  before = batches()
   assert cli.main(["index", str(config_path)]) == 0
   assert "wrote" in capsys.readouterr().out
   monkeypatch.setattr(sidecar, "read_footer", _no_footer)
@@ -186,7 +187,7 @@ def test_index_command_then_the_demo_builds_without_scans_and_streams_the_same(
 
 
 def _demo_yaml(data) -> str:
-  raw = yaml.safe_load((CONFIGS / "demo.yaml").read_text())
+  raw = yaml.safe_load(shipped_path("demo").read_text())
   raw["dataset_info"] = str(data / "dataset_info.yaml")
   raw["tokenizer_path"] = str(data / "tokenizer")
   return yaml.safe_dump(raw)
