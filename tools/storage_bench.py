@@ -1,0 +1,266 @@
+"""Storage benchmark: start-up vs corpus size, and throughput vs object-store latency, in one run.
+
+Part 1 (`startup`): synthetic corpora (T2I parquet shards with tiny images; a
+text-only VLM JSONL), on local disk and on a local S3 server (moto) behind a
+20 ms latency proxy, without and with the sidecar index (`bagel-grain index`),
+for process 0 of 1 and of 64. Each case runs in a fresh process: time to first
+batch, and peak RSS above the same process's RSS after imports and tokenizer.
+
+Part 2 (`throughput`): `bagel-grain bench` data on local disk and on the S3
+server at 0, 20 and 80 ms, 0 and 2 workers: median image tokens/s and the ratio
+to local disk with the same worker count, measured in the same run.
+
+    python tools/storage_bench.py --out out/storage_bench.json
+    python tools/storage_bench.py --shards 100 1000 --lines 1000000 --skip-throughput
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import os
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import yaml
+from PIL import Image
+
+ROOT = Path(__file__).resolve().parents[1]
+ROWS_PER_GROUP, GROUPS_PER_SHARD = 4, 2
+_BASE = {"expected_num_tokens": 1024, "max_num_tokens": 2048, "max_num_tokens_per_sample": 1024,
+         "prefer_buffer_before": 512, "max_buffer_size": 4, "max_latent_size": 32}
+
+
+def _tiny_png() -> bytes:
+  out = io.BytesIO()
+  Image.new("RGB", (32, 32), (200, 100, 50)).save(out, "PNG")
+  return out.getvalue()
+
+
+def make_parquet_corpus(folder: Path, shards: int) -> None:
+  folder.mkdir(parents=True, exist_ok=True)
+  png = _tiny_png()
+  rows = ROWS_PER_GROUP * GROUPS_PER_SHARD
+  table = pa.table({"image": [png] * rows,
+                    "captions": [json.dumps({"a": f"caption {i}"}) for i in range(rows)]})
+  for s in range(shards):
+    pq.write_table(table, folder / f"part-{s:05d}.parquet", row_group_size=ROWS_PER_GROUP)
+
+
+def make_jsonl_corpus(path: Path, lines: int) -> None:
+  path.parent.mkdir(parents=True, exist_ok=True)
+  line = ('{"conversations": [{"from": "human", "value": "What is %07d plus one?"}, '
+          '{"from": "gpt", "value": "The next number."}]}\n')
+  with open(path, "w") as f:
+    for start in range(0, lines, 100_000):
+      f.write("".join(line % i for i in range(start, min(lines, start + 100_000))))
+
+
+def _config(root: str, tokenizer: str, family: str) -> dict:
+  if family == "t2i_pretrain":
+    info = {"t2i_pretrain": {"synthetic": {"data_dir": f"{root}/t2i"}}}
+    group = {"dataset_names": ["synthetic"], "weight": 1, "is_mandatory": True,
+             "image_transform_args": {"image_stride": 16, "max_image_size": 64,
+                                      "min_image_size": 32}}
+  else:
+    info = {"vlm_sft": {"synthetic": {"data_dir": f"{root}/vlm",
+                                      "jsonl_path": f"{root}/vlm/sft.jsonl"}}}
+    group = {"dataset_names": ["synthetic"], "weight": 1, "is_mandatory": True,
+             "shuffle_lines": True, "shuffle_seed": 0,
+             "image_transform_args": {"image_stride": 14, "max_image_size": 224,
+                                      "min_image_size": 56}}
+  return {**_BASE, "tokenizer_path": tokenizer, "dataset_info": info,
+          "grouped_datasets": {family: group}}
+
+
+def measure_one(config_path: str, process_index: int, process_count: int) -> dict:
+  """In this (fresh) process: time to first batch and RSS above the post-import baseline."""
+  # pylint: disable=import-outside-toplevel
+  from bagel_grain.config import load_config
+  from bagel_grain.pipeline import build_pipeline
+  from bagel_grain.tokenizer import load_tokenizer
+  cfg = load_config(config_path)
+  tokenizer = load_tokenizer(cfg.tokenizer_path)
+  baseline = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+  start = time.perf_counter()
+  it = iter(build_pipeline(cfg, tokenizer, batch_size=1, process_index=process_index,
+                           process_count=process_count, workers=0))
+  next(it)
+  first = time.perf_counter() - start
+  it.close()
+  peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+  return {"first_batch_s": first, "rss_above_baseline_mib": (peak - baseline) / 2**20}
+
+
+def _measure(config: dict, process_index: int, process_count: int, env: dict) -> dict:
+  with tempfile.NamedTemporaryFile("w", suffix=".yaml", delete=False) as f:
+    yaml.safe_dump(config, f)
+  try:
+    out = subprocess.run([sys.executable, __file__, "_measure", f.name, str(process_index),
+                          str(process_count)], capture_output=True, text=True, check=True,
+                         env={**os.environ, **env, "PYTHONPATH": str(ROOT)})
+  finally:
+    os.unlink(f.name)
+  return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def _index(config: dict, env: dict) -> float:
+  with tempfile.NamedTemporaryFile("w", suffix=".yaml", delete=False) as f:
+    yaml.safe_dump(config, f)
+  start = time.perf_counter()
+  try:
+    subprocess.run([sys.executable, "-m", "bagel_grain.cli", "index", f.name], check=True,
+                   capture_output=True, env={**os.environ, **env, "PYTHONPATH": str(ROOT)})
+  finally:
+    os.unlink(f.name)
+  return time.perf_counter() - start
+
+
+def startup(work: Path, shards: list[int], lines: list[int], delay_ms: float) -> list[dict]:
+  # pylint: disable=import-outside-toplevel
+  from bagel_grain.demo_data import write_tokenizer
+  from bagel_grain.storage_servers import LocalObjectStore
+  tokenizer = work / "tokenizer"
+  write_tokenizer(tokenizer)
+  corpora = [("t2i_pretrain", "shards", n) for n in shards] + [
+      ("vlm_sft", "lines", n) for n in lines]
+  results = []
+  with LocalObjectStore("s3") as store:
+    remote_env = store.environment(store.proxy_port(delay_ms))
+    for family, unit, n in corpora:
+      local = work / f"{unit}_{n}"
+      t0 = time.perf_counter()
+      if family == "t2i_pretrain":
+        make_parquet_corpus(local / "t2i", n)
+      else:
+        make_jsonl_corpus(local / "vlm" / "sft.jsonl", n)
+      made = time.perf_counter() - t0
+      store.upload(str(local), f"{unit}_{n}")
+      places = [("local disk", str(local), {}, str(tokenizer)),
+                (f"S3 at {delay_ms:g} ms", store.uri(f"{unit}_{n}"), remote_env, str(tokenizer))]
+      for where, root, env, tok in places:
+        config = _config(root, tok, family)
+        for indexed in (False, True):
+          index_s = _index(config, env) if indexed else None
+          for count in (1, 64):
+            r = _measure(config, 0, count, env)
+            r.update(corpus=f"{n:,} {unit}", storage=where, index=indexed, process_count=count,
+                     index_build_s=index_s, generate_s=made)
+            per = n * GROUPS_PER_SHARD if unit == "shards" else n  # row groups, or lines
+            r["bytes_per_unit"] = r["rss_above_baseline_mib"] * 2**20 / per
+            print(json.dumps(r), flush=True)
+            results.append(r)
+  return results
+
+
+def throughput(work: Path, seconds: float, delays: list[float], workers: list[int]) -> list[dict]:
+  # pylint: disable=import-outside-toplevel
+  from bagel_grain import bench
+  from bagel_grain.bench_data import make_bench_data
+  from bagel_grain.config import load_config
+  from bagel_grain.storage_servers import LocalObjectStore
+  from bagel_grain.tokenizer import load_tokenizer
+  data = make_bench_data(work / "bench_data", t2i_rows=256, edit_rows=64, vlm_rows=200,
+                         cache=ROOT / ".bench_data" / ".cache")
+  raw = yaml.safe_load((ROOT / "configs" / "bench.yaml").read_text())
+  results = []
+
+  def run(where: str, root: str, env: dict):
+    info = yaml.safe_load((data / "dataset_info.yaml").read_text())
+    for datasets in info.values():
+      for entry in datasets.values():
+        for key in ("data_dir", "jsonl_path", "parquet_info_path"):
+          if key in entry:
+            entry[key] = f"{root}/{entry[key]}"
+    config = {**raw, "dataset_info": info, "tokenizer_path": str(data / "tokenizer")}
+    with tempfile.NamedTemporaryFile("w", suffix=".yaml", delete=False) as f:
+      yaml.safe_dump(config, f)
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+      cfg = load_config(f.name)
+      tokenizer = load_tokenizer(cfg.tokenizer_path)
+      for w in workers:
+        r = bench.measure_pipeline(cfg, tokenizer, workers=w, batch_size=1, seconds=seconds,
+                                   windows=3)
+        row = {"storage": where, "workers": w, "image_tokens_per_s": r["image_tokens_per_s"],
+               "first_batch_s": r["first_batch_s"]}
+        print(json.dumps(row), flush=True)
+        results.append(row)
+    finally:
+      os.unlink(f.name)
+      for k, v in saved.items():
+        if v is None:
+          os.environ.pop(k, None)
+        else:
+          os.environ[k] = v
+
+  run("local disk", str(data), {})
+  with LocalObjectStore("s3") as store:
+    root = store.upload(str(data), "bench")
+    for delay in delays:
+      run(f"S3 at {delay:g} ms", root,
+          store.environment(store.proxy_port(delay) if delay else None))
+  local = {r["workers"]: r["image_tokens_per_s"] for r in results if r["storage"] == "local disk"}
+  for r in results:
+    r["ratio_to_local"] = r["image_tokens_per_s"] / local[r["workers"]]
+  return results
+
+
+def _table(rows: list[dict], columns: list[tuple[str, str, str]]) -> str:
+  head = "| " + " | ".join(c[1] for c in columns) + " |"
+  lines = [head, "|" + "---|" * len(columns)]
+  for r in rows:
+    cells = []
+    for key, _, fmt in columns:
+      v = r.get(key)
+      cells.append("-" if v is None else format(v, fmt) if fmt else str(v))
+    lines.append("| " + " | ".join(cells) + " |")
+  return "\n".join(lines)
+
+
+def main() -> None:
+  if len(sys.argv) > 1 and sys.argv[1] == "_measure":
+    print(json.dumps(measure_one(sys.argv[2], int(sys.argv[3]), int(sys.argv[4]))))
+    return
+  parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  parser.add_argument("--shards", type=int, nargs="*", default=[100, 1000, 5000])
+  parser.add_argument("--lines", type=int, nargs="*", default=[1_000_000, 10_000_000])
+  parser.add_argument("--startup-delay-ms", type=float, default=20)
+  parser.add_argument("--delays-ms", type=float, nargs="*", default=[0, 20, 80])
+  parser.add_argument("--workers", type=int, nargs="*", default=[0, 2])
+  parser.add_argument("--seconds", type=float, default=12)
+  parser.add_argument("--skip-startup", action="store_true")
+  parser.add_argument("--skip-throughput", action="store_true")
+  parser.add_argument("--out", default="out/storage_bench.json")
+  args = parser.parse_args()
+  report = {}
+  with tempfile.TemporaryDirectory(prefix="bagel-storage-bench-") as tmp:
+    if not args.skip_startup:
+      report["startup"] = startup(Path(tmp), args.shards, args.lines, args.startup_delay_ms)
+      print(_table(report["startup"], [
+          ("corpus", "corpus", ""), ("storage", "storage", ""), ("index", "index", ""),
+          ("process_count", "processes", ""), ("first_batch_s", "first batch s", ".2f"),
+          ("rss_above_baseline_mib", "RSS MiB", ".1f"), ("index_build_s", "index build s",
+                                                          ".1f")]))
+    if not args.skip_throughput:
+      report["throughput"] = throughput(Path(tmp), args.seconds, args.delays_ms, args.workers)
+      print(_table(report["throughput"], [
+          ("storage", "storage", ""), ("workers", "workers", ""),
+          ("image_tokens_per_s", "image tokens/s", ",.0f"), ("ratio_to_local", "x local", ".2f"),
+          ("first_batch_s", "first batch s", ".2f")]))
+  os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+  with open(args.out, "w") as f:
+    json.dump(report, f, indent=1)
+
+
+if __name__ == "__main__":
+  main()
