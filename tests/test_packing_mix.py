@@ -2,6 +2,9 @@
 
 import collections
 import dataclasses
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -113,3 +116,29 @@ def test_recreating_a_key_that_no_longer_is_a_sample_is_refused():
     assert it.recreate([[0, 0]])[0].key.index == 0
     with pytest.raises(StateMismatchError, match="'g0' element 1 .*the data changed"):
       it.recreate([[0, 1]])
+
+
+EXIT_SCRIPT = """
+import functools, sys
+sys.path.insert(0, {tests!r})
+from bagel_grain.packing.fetch import Fetcher
+from packer_samples import make_sample, mixed
+
+if __name__ == "__main__":
+  groups = [[make_sample(0, i, 10) for i in range(40)]]
+  it = iter(mixed(groups, fetcher=functools.partial(Fetcher, workers=2, depths=[4])))
+  next(it)
+  if {close}:
+    it.close()
+    it.close()
+  print("exiting")
+"""
+
+
+@pytest.mark.parametrize("close", [False, True])
+def test_a_script_with_workers_exits_quietly_closed_or_not(tmp_path, close):
+  script = tmp_path / "script.py"
+  script.write_text(EXIT_SCRIPT.format(tests=str(Path(__file__).parent), close=close))
+  done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                        timeout=120, check=False)
+  assert (done.returncode, done.stdout, done.stderr) == (0, "exiting\n", "")
