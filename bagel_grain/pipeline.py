@@ -15,7 +15,7 @@ from typing import Any
 import grain
 import numpy as np
 
-from bagel_grain import images
+from bagel_grain import fs, images
 from bagel_grain.config import PipelineConfig
 from bagel_grain.families.base import FamilyTransform
 from bagel_grain.packing.batch import BatchDataset, BatchIterator
@@ -26,6 +26,7 @@ from bagel_grain.packing.mix import MixDataset, MixSpec, read_ahead
 from bagel_grain.packing.pack import PackDataset, PackSpec
 from bagel_grain.packing.prepare import PrepareSample
 from bagel_grain.packing.row import Capacities, default_capacities
+from bagel_grain.sources.readahead import ReadAhead, ReadAheadRecords
 from bagel_grain.sources.records import ConcatSource, ShuffledRecords
 
 
@@ -77,7 +78,10 @@ def prepared_samples(cfg: PipelineConfig, group: int, tokenizer, records: Shuffl
   prepare = PrepareSample(seed, geometry, tokenizer.special, cfg.text_cond_dropout_prob,
                           cfg.vit_cond_dropout_prob, cfg.vae_cond_dropout_prob)
   family = family_transform(cfg, group, tokenizer)
-  return records.random_map(family, seed=group_seed(seed, group)).map(prepare)
+  family.read_ahead = ReadAhead()
+  ahead = ReadAheadRecords(records, files_of=family.files_ahead, read_file=fs.read_bytes,
+                           ahead=family.read_ahead)
+  return ahead.random_map(family, seed=group_seed(seed, group)).map(prepare)
 
 
 def group_dataset(cfg: PipelineConfig, group: int, tokenizer, *, seed: int,

@@ -4,7 +4,8 @@ Part 1 (`startup`): synthetic corpora (T2I parquet shards with tiny images; a
 text-only VLM JSONL), on local disk and on a local S3 server (moto) behind a
 20 ms latency proxy, without and with the sidecar index (`bagel-grain index`),
 for process 0 of 1 and of 64. Each case runs in a fresh process: time to first
-batch, and peak RSS above the same process's RSS after imports and tokenizer.
+batch, and the RSS the built pipeline holds after it (current RSS, after a
+garbage collection, above the same process's RSS after imports and tokenizer).
 
 Part 2 (`throughput`): `bagel-grain bench` data on local disk and on the S3
 server at 0, 20 and 80 ms, 0 and 2 workers: median image tokens/s and the ratio
@@ -17,6 +18,7 @@ to local disk with the same worker count, measured in the same run.
 from __future__ import annotations
 
 import argparse
+import gc
 import io
 import json
 import os
@@ -28,6 +30,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+import psutil
 import pyarrow as pa
 import pyarrow.parquet as pq
 import yaml
@@ -89,15 +92,19 @@ def measure_one(config_path: str, process_index: int, process_count: int) -> dic
   from bagel_grain.tokenizer import load_tokenizer
   cfg = load_config(config_path)
   tokenizer = load_tokenizer(cfg.tokenizer_path)
-  baseline = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+  me = psutil.Process()
+  gc.collect()
+  baseline = me.memory_info().rss
   start = time.perf_counter()
   it = iter(build_pipeline(cfg, tokenizer, batch_size=1, process_index=process_index,
                            process_count=process_count, workers=0))
   next(it)
   first = time.perf_counter() - start
+  gc.collect()
+  held = me.memory_info().rss  # what the built pipeline holds, not a transient peak
   it.close()
-  peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-  return {"first_batch_s": first, "rss_above_baseline_mib": (peak - baseline) / 2**20}
+  return {"first_batch_s": first, "rss_above_baseline_mib": (held - baseline) / 2**20,
+          "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**10}
 
 
 def _measure(config: dict, process_index: int, process_count: int, env: dict) -> dict:
@@ -161,16 +168,18 @@ def startup(work: Path, shards: list[int], lines: list[int], delay_ms: float) ->
   return results
 
 
-def throughput(work: Path, seconds: float, delays: list[float], workers: list[int]) -> list[dict]:
+def throughput(work: Path, data: Path | None, seconds: float, delays: list[float],
+               workers: list[int]) -> list[dict]:
   # pylint: disable=import-outside-toplevel
   from bagel_grain import bench
   from bagel_grain.bench_data import make_bench_data
   from bagel_grain.config import load_config
+  from bagel_grain.configs import shipped_path
   from bagel_grain.storage_servers import LocalObjectStore
   from bagel_grain.tokenizer import load_tokenizer
-  data = make_bench_data(work / "bench_data", t2i_rows=256, edit_rows=64, vlm_rows=200,
-                         cache=ROOT / ".bench_data" / ".cache")
-  raw = yaml.safe_load((ROOT / "configs" / "bench.yaml").read_text())
+  if data is None or not (data / ".complete").exists():
+    data = make_bench_data(data or work / "bench_data", t2i_rows=256, edit_rows=64, vlm_rows=200)
+  raw = yaml.safe_load(shipped_path("bench").read_text())
   results = []
 
   def run(where: str, root: str, env: dict):
@@ -238,6 +247,8 @@ def main() -> None:
   parser.add_argument("--delays-ms", type=float, nargs="*", default=[0, 20, 80])
   parser.add_argument("--workers", type=int, nargs="*", default=[0, 2])
   parser.add_argument("--seconds", type=float, default=12)
+  parser.add_argument("--bench-data", type=Path, default=None,
+                      help="`bagel-grain make-bench-data` output to use (written there if absent)")
   parser.add_argument("--skip-startup", action="store_true")
   parser.add_argument("--skip-throughput", action="store_true")
   parser.add_argument("--out", default="out/storage_bench.json")
@@ -249,10 +260,10 @@ def main() -> None:
       print(_table(report["startup"], [
           ("corpus", "corpus", ""), ("storage", "storage", ""), ("index", "index", ""),
           ("process_count", "processes", ""), ("first_batch_s", "first batch s", ".2f"),
-          ("rss_above_baseline_mib", "RSS MiB", ".1f"), ("index_build_s", "index build s",
+          ("rss_above_baseline_mib", "RSS held MiB", ".1f"), ("index_build_s", "index build s",
                                                           ".1f")]))
     if not args.skip_throughput:
-      report["throughput"] = throughput(Path(tmp), args.seconds, args.delays_ms, args.workers)
+      report["throughput"] = throughput(Path(tmp), args.bench_data, args.seconds, args.delays_ms, args.workers)
       print(_table(report["throughput"], [
           ("storage", "storage", ""), ("workers", "workers", ""),
           ("image_tokens_per_s", "image tokens/s", ",.0f"), ("ratio_to_local", "x local", ".2f"),

@@ -48,6 +48,12 @@ class FamilyTransform(grain.transforms.RandomMap, abc.ABC):
   def key(self, record: Record) -> SampleKey:
     return SampleKey(self.group, record.index, record.epoch, record.record_id)
 
+  read_ahead = None  # set by the pipeline: where `files_ahead`'s files are read ahead into
+
+  def files_ahead(self, record: Record) -> list[str]:  # pylint: disable=unused-argument
+    """The files `parse` will read for `record` (read ahead, see `sources.readahead`)."""
+    return []
+
   def random_map(self, record: Record, rng: np.random.Generator) -> Sample | Dropped:
     if record.error is not None:
       return record.error.at(self.key(record))

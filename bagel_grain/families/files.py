@@ -18,6 +18,7 @@ from bagel_grain import fs
 from bagel_grain.drops import Drop, DropReason, require
 from bagel_grain.families.base import is_text
 from bagel_grain.sources.framing import LineWithFiles
+from bagel_grain.sources.readahead import ReadAhead
 
 _FRAME_NUMBER = re.compile(r"_(\d+)\.(?:jpe?g|png)$", re.IGNORECASE)
 
@@ -65,8 +66,9 @@ class DiskFiles:
   place for checks on what a file may be before it is read.
   """
 
-  def __init__(self, data_dir: str):
+  def __init__(self, data_dir: str, ahead: ReadAhead | None = None):
     self.data_dir = data_dir
+    self.ahead = ahead  # files read ahead under ("file", path), see `sources.readahead`
 
   def locate(self, relative: Any) -> str:
     check_relative(relative)
@@ -83,6 +85,8 @@ class DiskFiles:
     return real + (os.sep if is_folder(relative) else "")
 
   def read(self, path: str) -> bytes:
+    if self.ahead is not None and (data := self.ahead.take(("file", path))) is not None:
+      return data
     try:
       return fs.read_bytes(path)
     except OSError as e:

@@ -87,7 +87,24 @@ class VLMTransform(FamilyTransform):
   def _line_and_files(self, record: Record) -> tuple[bytes, FileStore]:
     if isinstance(record.fields, LineWithFiles):  # a converted record: its files travel with it
       return record.fields.line, EmbeddedFiles(record.fields)
-    return record.fields, DiskFiles(self.data_dirs[record.dataset])
+    return record.fields, DiskFiles(self.data_dirs[record.dataset], self.read_ahead)
+
+  def files_ahead(self, record: Record) -> list[str]:
+    """The image files a line lists (frames and videos are read when parsed)."""
+    if record.error is not None or isinstance(record.fields, LineWithFiles):
+      return []
+    try:
+      row = parse_row(record.fields)
+      listed = listed_images(row) if "image" in row else []
+    except Drop:
+      return []
+    disk, paths = DiskFiles(self.data_dirs[record.dataset]), []
+    for relative in listed:
+      try:
+        paths.append(disk.locate(relative))
+      except Drop:
+        pass  # refused again, and counted, when parsed
+    return paths
 
   def _video_frames(self, files: FileStore, path: str, rng: np.random.Generator) -> list:
     """Frame paths of a frame folder, or decoded frames (PIL images) of a video file."""

@@ -28,6 +28,7 @@ from multiprocessing.connection import Connection, wait
 from typing import Any, Sequence
 
 from bagel_grain.errors import BagelGrainError
+from bagel_grain.sources.readahead import close_read_ahead
 
 _JOBS_PER_WORKER = 4  # handed out ahead, so a worker never idles between results
 _POLL_S = 1.0
@@ -277,3 +278,4 @@ class Fetcher:
         w.process.join()
       w.conn.close()
     self._pending.clear()
+    close_read_ahead(self._datasets)

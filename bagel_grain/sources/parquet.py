@@ -124,6 +124,7 @@ class ParquetRowSource:
     self._built = False
     self._cache: collections.OrderedDict = collections.OrderedDict()
     self._lock = threading.Lock()
+    self._loading: dict[tuple[str, int], threading.Lock] = {}
     self.row_group_reads = 0
     self.bytes_read = 0  # decoded row-group bytes, against bytes_served: the cost of blocking
     self.bytes_served = 0
@@ -158,7 +159,7 @@ class ParquetRowSource:
     self._build()  # workers get the arrays, never the catalog
     state = self.__dict__.copy()
     state["_cache"] = collections.OrderedDict()
-    state["_lock"] = None
+    state["_lock"], state["_loading"] = None, {}
     return state
 
   def __setstate__(self, state):
@@ -181,18 +182,25 @@ class ParquetRowSource:
   def _row_group(self, block: int) -> dict[str, list]:
     key = (self._files[self._block_file[block]], int(self._block_rg[block]))
     with self._lock:
-      if key in self._cache:
-        self._cache.move_to_end(key)
-        return self._cache[key]
-    with fs.open_random_access(key[0]) as f:
-      table = pq.ParquetFile(f).read_row_group(key[1], columns=self._columns)
-    columns = {name: table.column(name).to_pylist() for name in self._columns}
-    with self._lock:
-      self.row_group_reads += 1
-      self.bytes_read += table.nbytes
-      self._cache[key] = columns
-      while len(self._cache) > _CACHED_ROW_GROUPS:
-        self._cache.popitem(last=False)
+      loading = self._loading.setdefault(key, threading.Lock())
+    with loading:  # one read per row group, however many threads (read-ahead) want it
+      with self._lock:
+        if key in self._cache:
+          self._cache.move_to_end(key)
+          return self._cache[key]
+      try:
+        with fs.open_random_access(key[0]) as f:
+          table = pq.ParquetFile(f).read_row_group(key[1], columns=self._columns)
+        columns = {name: table.column(name).to_pylist() for name in self._columns}
+        with self._lock:
+          self.row_group_reads += 1
+          self.bytes_read += table.nbytes
+          self._cache[key] = columns
+          while len(self._cache) > _CACHED_ROW_GROUPS:
+            self._cache.popitem(last=False)
+      finally:
+        with self._lock:
+          self._loading.pop(key, None)
     return columns
 
   def __getitem__(self, index: int) -> dict[str, Any]:

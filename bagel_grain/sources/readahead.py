@@ -1,0 +1,165 @@
+"""Reads of upcoming records and of the files they name, issued ahead on a few threads.
+
+At object-store latency (tens of milliseconds a request) a process that reads one
+record, then its image, then decodes, spends most of its time waiting. A group's
+records are read in index order, so `ReadAheadRecords`, asked for element i,
+starts the reads of elements i+1 .. i+depth on a small thread pool: the record
+(a JSONL line, a parquet row group through the source's cache), then the files
+the family says the record will open (`FamilyTransform.files_ahead`). The
+consumer takes what was read ahead; nothing is decoded ahead, so the stream is
+the same bytes in the same order.
+
+`ReadAhead` holds what was read, bounded in bytes (the oldest entries give way).
+A read that failed, or is not done after `WAIT_S`, is simply not served: the
+consumer reads for itself and meets today's error or drop. Its threads start on
+first use and stop at `close()` (the fetcher closes them with the iterator).
+"""
+
+from __future__ import annotations
+
+import collections
+import concurrent.futures
+import threading
+from typing import Any, Callable, Hashable, Iterable
+
+import grain
+
+THREADS = 8  # requests in flight per group and process
+DEPTH = 32  # elements read ahead of the one asked for
+MAX_BYTES = 64 << 20  # read but not yet taken, per group and process
+WAIT_S = 60.0  # a read ahead not done by then is done again by the consumer
+
+
+class ReadAhead:
+  """Values read in the background by key: `start` a read, `take` its value (or None)."""
+
+  def __init__(self, *, threads: int = THREADS, max_bytes: int = MAX_BYTES):
+    self._threads, self._max_bytes = threads, max_bytes
+    self._reset()
+
+  def _reset(self) -> None:
+    self._pool: concurrent.futures.ThreadPoolExecutor | None = None
+    self._reads: collections.OrderedDict[Hashable, concurrent.futures.Future] = (
+        collections.OrderedDict())
+    self._lock = threading.Lock()
+
+  def __getstate__(self):
+    return {"_threads": self._threads, "_max_bytes": self._max_bytes}  # no threads, no reads
+
+  def __setstate__(self, state):
+    self.__dict__.update(state)
+    self._reset()
+
+  def _held_bytes(self) -> int:
+    return sum(f.result()[1] for f in self._reads.values()
+               if f.done() and not f.cancelled() and f.exception() is None)
+
+  def start(self, key: Hashable, read: Callable[[], tuple[Any, int]]) -> None:
+    """Reads `read()` -> (value, its size in bytes) in the background, unless held already
+    or the bytes held are over the bound after dropping the oldest finished reads."""
+    with self._lock:
+      if key in self._reads:
+        return
+      while self._held_bytes() >= self._max_bytes:
+        oldest = next((k for k, f in self._reads.items() if f.done()), None)
+        if oldest is None:
+          return  # everything held is still in flight: no more until some is taken
+        del self._reads[oldest]
+      if self._pool is None:
+        self._pool = concurrent.futures.ThreadPoolExecutor(
+            self._threads, thread_name_prefix="bagel-grain-readahead")
+      self._reads[key] = self._pool.submit(read)
+
+  def take(self, key: Hashable) -> Any | None:
+    """The value read ahead for `key` (forgotten here), or None: not started, failed, late."""
+    with self._lock:
+      future = self._reads.pop(key, None)
+    if future is None:
+      return None
+    try:
+      return future.result(timeout=WAIT_S)[0]
+    except Exception:  # pylint: disable=broad-except  # the consumer reads again, and sees it
+      return None
+
+  def close(self) -> None:
+    """Drops what was read and stops the threads (reads in flight are waited for)."""
+    with self._lock:
+      pool, self._pool = self._pool, None
+      for future in self._reads.values():
+        future.cancel()
+      self._reads.clear()
+    if pool is not None:
+      pool.shutdown(wait=True, cancel_futures=True)
+
+
+class ReadAheadRecords(grain.MapDataset):
+  """A group's records, element i served from reads started when an earlier one was asked.
+
+  `files_of(record)` names the files the family will read for a record; they are
+  read ahead into `ahead` under ("file", path), where the family's file store
+  takes them. Hints go forward from the highest index asked so far, so each
+  element is read ahead at most once per process.
+  """
+
+  def __init__(self, records: grain.MapDataset, *, files_of: Callable[[Any], Iterable[str]],
+               read_file: Callable[[str], bytes], ahead: ReadAhead, depth: int = DEPTH):
+    super().__init__(records)
+    self._records, self._files_of, self._read_file = records, files_of, read_file
+    self.ahead, self._depth = ahead, depth
+    self._hinted = -1  # the highest index whose read was started (or done by the consumer)
+
+  def __getstate__(self):
+    state = self.__dict__.copy()
+    state["_hinted"] = -1
+    return state
+
+  def __len__(self) -> int:
+    return len(self._records)
+
+  def __str__(self) -> str:
+    return f"ReadAheadRecords(depth={self._depth})"
+
+  def _read(self, index: int) -> tuple[Any, int]:
+    record = self._records[index]
+    for path in self._files_of(record):
+      self.ahead.start(("file", path), lambda p=path: _sized(self._read_file(p)))
+    return record, _size(getattr(record, "fields", None))
+
+  def __getitem__(self, index):
+    if isinstance(index, slice):
+      return self.slice(index)
+    record = self.ahead.take(("record", index))
+    if record is None:  # read here first: the sources load their arrays on the first read
+      record = self._records[index]
+    first, self._hinted = max(self._hinted, index) + 1, max(self._hinted, index + self._depth)
+    for ahead in range(first, min(self._hinted + 1, len(self))):
+      self.ahead.start(("record", ahead), lambda i=ahead: self._read(i))
+    return record
+
+
+def close_read_ahead(datasets: Iterable[Any]) -> None:
+  """Stops the read-ahead threads under any of `datasets` (MapDatasets and their parents)."""
+  seen, todo = set(), list(datasets)
+  while todo:
+    dataset = todo.pop()
+    if id(dataset) in seen or not isinstance(dataset, grain.MapDataset):
+      continue
+    seen.add(id(dataset))
+    if isinstance(dataset, ReadAheadRecords):
+      dataset.ahead.close()
+    todo.extend(dataset.parents)
+
+
+def _sized(data: bytes) -> tuple[bytes, int]:
+  return data, len(data)
+
+
+def _size(value: Any) -> int:
+  """Roughly the bytes a record's fields hold (what the byte bound counts)."""
+  if isinstance(value, (bytes, bytearray, str)):
+    return len(value)
+  if isinstance(value, dict):
+    return sum(_size(v) for v in value.values())
+  if isinstance(value, (list, tuple)):
+    return sum(_size(v) for v in value)
+  return 8

@@ -1,0 +1,157 @@
+"""Read-ahead: upcoming records and their files read concurrently, served once, bounded, closed."""
+
+import collections
+import concurrent.futures
+import threading
+
+import grain
+import pytest
+
+from bagel_grain.drops import Drop, DropReason
+from bagel_grain.families.files import DiskFiles
+from bagel_grain.pipeline import build_pipeline
+from bagel_grain.sources.parquet import ParquetRowSource
+from bagel_grain.sources.readahead import ReadAhead, ReadAheadRecords
+from bagel_grain.sources.records import ConcatSource, ShuffledRecords
+from parquet_files import ALL_IDS, NON_EMPTY_ROW_GROUPS, two_files
+
+THREAD_PREFIX = "bagel-grain-readahead"
+
+
+class CountingRecords(grain.MapDataset):
+  """Record i is the string `r<i>`; counts reads; `wait(i)` runs before a read returns."""
+
+  def __init__(self, n, wait=lambda i: None):
+    super().__init__()
+    self.n, self.wait, self.reads = n, wait, collections.Counter()
+    self.lock = threading.Lock()
+
+  def __len__(self):
+    return self.n
+
+  def __getitem__(self, index):
+    self.wait(index)
+    with self.lock:
+      self.reads[index] += 1
+    return f"r{index}"
+
+
+def _no_files(record):
+  return []
+
+
+def _read_ahead_threads():
+  return [t for t in threading.enumerate() if t.name.startswith(THREAD_PREFIX)]
+
+
+def test_upcoming_records_are_read_concurrently_and_each_read_once():
+  # Records 1-4 pass only when four reads are in flight at once: a consumer reading
+  # them one by one would break the barrier.
+  barrier = threading.Barrier(4, timeout=30)
+  records = CountingRecords(12, wait=lambda i: barrier.wait() if 1 <= i <= 4 else None)
+  ahead = ReadAhead(threads=4)
+  ra = ReadAheadRecords(records, files_of=_no_files, read_file=None, ahead=ahead, depth=4)
+  try:
+    assert [ra[i] for i in range(12)] == [f"r{i}" for i in range(12)]
+  finally:
+    ahead.close()
+  assert records.reads == {i: 1 for i in range(12)}  # the consumer took what was read ahead
+  assert not _read_ahead_threads()
+
+
+def test_a_failed_read_ahead_is_read_again_by_the_consumer():
+  failed = set()
+
+  def fail_once(i):
+    if i == 2 and i not in failed:
+      failed.add(i)
+      raise OSError("first read of 2 fails")
+
+  records = CountingRecords(5, wait=fail_once)
+  ahead = ReadAhead()
+  ra = ReadAheadRecords(records, files_of=_no_files, read_file=None, ahead=ahead, depth=3)
+  try:
+    assert [ra[i] for i in range(5)] == [f"r{i}" for i in range(5)]
+  finally:
+    ahead.close()
+  assert failed == {2} and records.reads[2] == 1  # counted on the consumer's own read
+
+
+def test_files_a_record_names_are_read_ahead_for_the_file_store(tmp_path):
+  (tmp_path / "r1.png").write_bytes(b"on disk")
+  reads = []
+
+  def read_file(path):
+    reads.append(path)
+    return b"read ahead"
+
+  disk = DiskFiles(str(tmp_path))
+  ahead = ReadAhead()
+  ra = ReadAheadRecords(CountingRecords(3), files_of=lambda r: [disk.locate(f"{r}.png")],
+                        read_file=read_file, ahead=ahead, depth=2)
+  try:
+    assert ra[0] == "r0" and ra[1] == "r1"  # record 1 was read ahead, and its file with it
+    store = DiskFiles(str(tmp_path), ahead)
+    path = store.locate("r1.png")
+    assert store.read(path) == b"read ahead"
+    assert store.read(path) == b"on disk"  # served once; then the disk as always
+  finally:
+    ahead.close()
+  assert str(tmp_path / "r1.png") in reads
+
+
+def test_a_file_whose_read_ahead_failed_gives_the_usual_verdict(tmp_path):
+  (tmp_path / "here.png").write_bytes(b"on disk")
+
+  def broken():
+    raise OSError("network down")
+
+  ahead = ReadAhead()
+  store = DiskFiles(str(tmp_path), ahead)
+  here, gone = store.locate("here.png"), store.locate("gone.png")
+  try:
+    ahead.start(("file", here), broken)
+    ahead.start(("file", gone), broken)
+    assert store.read(here) == b"on disk"
+    with pytest.raises(Drop) as e:
+      store.read(gone)
+    assert e.value.reason == DropReason.MISSING_FILE
+  finally:
+    ahead.close()
+
+
+def test_bytes_held_stay_bounded_by_dropping_the_oldest():
+  ahead = ReadAhead(threads=2, max_bytes=100)
+  try:
+    for key in range(10):
+      ahead.start(key, lambda k=key: (k, 40))
+      concurrent.futures.wait(list(ahead._reads.values()), timeout=30)  # pylint: disable=protected-access
+    # 40 bytes each: a read starts while less than 100 are held, so at most three are.
+    assert [k for k in range(10) if ahead.take(k) is not None] == [7, 8, 9]
+  finally:
+    ahead.close()
+
+
+def test_a_row_group_is_read_once_however_many_threads_want_its_rows(tmp_path):
+  source = ParquetRowSource(list(two_files(tmp_path)), ["id"])
+  records = ShuffledRecords(ConcatSource([source]), seed=3, num_epochs=1)
+  ahead = ReadAhead(threads=8)
+  ra = ReadAheadRecords(records, files_of=_no_files, read_file=None, ahead=ahead, depth=8)
+  try:
+    ids = [ra[i].fields["id"] for i in range(len(ra))]
+  finally:
+    ahead.close()
+  assert source.row_group_reads == NON_EMPTY_ROW_GROUPS
+  assert ids == [records[i].fields["id"] for i in range(len(records))]
+  assert sorted(ids) == sorted(ALL_IDS)
+
+
+def test_the_pipeline_stops_its_read_ahead_threads_when_closed(demo_config, demo_tokenizer):
+  it = iter(build_pipeline(demo_config, demo_tokenizer, batch_size=2, workers=0))
+  try:
+    for _ in range(3):
+      next(it)
+    assert _read_ahead_threads()
+  finally:
+    it.close()
+  assert not _read_ahead_threads()
