@@ -3,6 +3,7 @@
 import os
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from bagel_grain.errors import DatasetError
@@ -126,3 +127,29 @@ def test_shard_blocks_needs_a_record_per_process():
   assert starts.tolist() == [0, 4] and sizes.tolist() == [4, 1]
   with pytest.raises(DatasetError):
     shard_blocks([2], 0, 3)
+
+
+def _array_bytes(obj, seen) -> int:
+  """Bytes of the numpy arrays held by `obj` and the source objects under it."""
+  if id(obj) in seen:
+    return 0
+  seen.add(id(obj))
+  if isinstance(obj, np.ndarray):
+    return obj.nbytes
+  if isinstance(obj, (list, tuple, dict)):
+    return sum(_array_bytes(v, seen) for v in (obj.values() if isinstance(obj, dict) else obj))
+  if type(obj).__module__.startswith("bagel_grain.sources"):
+    return sum(_array_bytes(v, seen) for v in vars(obj).values())
+  return 0
+
+
+def test_a_jsonl_share_holds_20_bytes_a_line_with_its_epoch_order(tmp_path):
+  # 16 a line for the source (line number, start, length) and 4 for the epoch's
+  # order; nothing per line for blocks of one line.
+  path = tmp_path / "rows.jsonl"
+  path.write_text("".join(f"line {i}\n" for i in range(10_000)))
+  records = ShuffledRecords(ConcatSource([JsonlLineSource(str(path))]), seed=9,
+                            process_index=1, process_count=4)
+  assert records[0].fields.startswith(b"line ")  # the share's lines and first order loaded
+  assert records.records_per_epoch == 2_500
+  assert _array_bytes(records, set()) <= 20 * 2_500 + 64

@@ -9,10 +9,13 @@ garbage collection, above the same process's RSS after imports and tokenizer).
 
 Part 2 (`throughput`): `bagel-grain bench` data on local disk and on the S3
 server at 0, 20 and 80 ms, 0 and 2 workers: median image tokens/s and the ratio
-to local disk with the same worker count, measured in the same run.
+to local disk with the same worker count, measured in the same run; and the ratio
+to S3 at 0 ms, which separates what latency costs from what the local server's
+own CPU (moto and the proxy share the machine) costs.
 
     python tools/storage_bench.py --out out/storage_bench.json
-    python tools/storage_bench.py --shards 100 1000 --lines 1000000 --skip-throughput
+    python tools/storage_bench.py --skip-startup --bench-data /tmp/bench_data
+    python tools/storage_bench.py --skip-throughput --lines 10000000 --shards --local-only
 """
 
 from __future__ import annotations
@@ -96,15 +99,56 @@ def measure_one(config_path: str, process_index: int, process_count: int) -> dic
   gc.collect()
   baseline = me.memory_info().rss
   start = time.perf_counter()
-  it = iter(build_pipeline(cfg, tokenizer, batch_size=1, process_index=process_index,
-                           process_count=process_count, workers=0))
+  dataset = build_pipeline(cfg, tokenizer, batch_size=1, process_index=process_index,
+                           process_count=process_count, workers=0)
+  it = iter(dataset)
+  built = time.perf_counter() - start  # the index loaded; then the first batch's reads
   next(it)
   first = time.perf_counter() - start
   gc.collect()
   held = me.memory_info().rss  # what the built pipeline holds, not a transient peak
+  records = _shuffled_records(dataset)
+  index_bytes = sum(_array_bytes(r, set()) for r in records)
+  # Blocks of this process's share: row groups, or lines (blocks of one line).
+  units = sum(r.records_per_epoch if r._block_len is None else len(r._block_len)  # pylint: disable=protected-access
+              for r in records)
   it.close()
-  return {"first_batch_s": first, "rss_above_baseline_mib": (held - baseline) / 2**20,
-          "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**10}
+  return {"build_s": built, "first_batch_s": first, "rss_above_baseline_mib": (held - baseline) / 2**20,
+          "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**10,
+          "index_bytes": index_bytes, "share_units": units,
+          "index_bytes_per_unit": index_bytes / max(units, 1)}
+
+
+def _shuffled_records(dataset) -> list:
+  """The ShuffledRecords a pipeline's dataset reads (found through its parents)."""
+  # pylint: disable=import-outside-toplevel
+  from bagel_grain.sources.records import ShuffledRecords
+  found, todo, seen = [], [dataset], set()
+  while todo:
+    d = todo.pop()
+    if id(d) in seen:
+      continue
+    seen.add(id(d))
+    if isinstance(d, ShuffledRecords):
+      found.append(d)
+    todo.extend(d.parents)
+  return found
+
+
+def _array_bytes(obj, seen: set) -> int:
+  """Bytes of the numpy arrays an object of ours holds (its per-unit index), recursively."""
+  if id(obj) in seen:
+    return 0
+  seen.add(id(obj))
+  if isinstance(obj, np.ndarray):
+    return obj.nbytes
+  if isinstance(obj, (list, tuple)):
+    return sum(_array_bytes(v, seen) for v in obj)
+  if isinstance(obj, dict):
+    return sum(_array_bytes(v, seen) for v in obj.values())
+  if type(obj).__module__.startswith("bagel_grain.sources") and hasattr(obj, "__dict__"):
+    return sum(_array_bytes(v, seen) for v in vars(obj).values())
+  return 0
 
 
 def _measure(config: dict, process_index: int, process_count: int, env: dict) -> dict:
@@ -131,7 +175,8 @@ def _index(config: dict, env: dict) -> float:
   return time.perf_counter() - start
 
 
-def startup(work: Path, shards: list[int], lines: list[int], delay_ms: float) -> list[dict]:
+def startup(work: Path, shards: list[int], lines: list[int], delay_ms: float,
+            local_only: bool = False) -> list[dict]:
   # pylint: disable=import-outside-toplevel
   from bagel_grain.demo_data import write_tokenizer
   from bagel_grain.storage_servers import LocalObjectStore
@@ -150,9 +195,11 @@ def startup(work: Path, shards: list[int], lines: list[int], delay_ms: float) ->
       else:
         make_jsonl_corpus(local / "vlm" / "sft.jsonl", n)
       made = time.perf_counter() - t0
-      store.upload(str(local), f"{unit}_{n}")
-      places = [("local disk", str(local), {}, str(tokenizer)),
-                (f"S3 at {delay_ms:g} ms", store.uri(f"{unit}_{n}"), remote_env, str(tokenizer))]
+      places = [("local disk", str(local), {}, str(tokenizer))]
+      if not local_only:
+        store.upload(str(local), f"{unit}_{n}")
+        places.append((f"S3 at {delay_ms:g} ms", store.uri(f"{unit}_{n}"), remote_env,
+                       str(tokenizer)))
       for where, root, env, tok in places:
         config = _config(root, tok, family)
         for indexed in (False, True):
@@ -219,8 +266,12 @@ def throughput(work: Path, data: Path | None, seconds: float, delays: list[float
       run(f"S3 at {delay:g} ms", root,
           store.environment(store.proxy_port(delay) if delay else None))
   local = {r["workers"]: r["image_tokens_per_s"] for r in results if r["storage"] == "local disk"}
+  # Against S3 at 0 ms too: what the latency costs, apart from the local server's own CPU.
+  server = {r["workers"]: r["image_tokens_per_s"] for r in results if r["storage"] == "S3 at 0 ms"}
   for r in results:
     r["ratio_to_local"] = r["image_tokens_per_s"] / local[r["workers"]]
+    if r["workers"] in server and r["storage"] != "local disk":
+      r["ratio_to_s3_0ms"] = r["image_tokens_per_s"] / server[r["workers"]]
   return results
 
 
@@ -250,23 +301,30 @@ def main() -> None:
   parser.add_argument("--bench-data", type=Path, default=None,
                       help="`bagel-grain make-bench-data` output to use (written there if absent)")
   parser.add_argument("--skip-startup", action="store_true")
+  parser.add_argument("--local-only", action="store_true",
+                      help="start-up on local disk only (moto copies a whole object per "
+                           "range request: a 1 GB JSONL costs about 1 s a line there)")
   parser.add_argument("--skip-throughput", action="store_true")
   parser.add_argument("--out", default="out/storage_bench.json")
   args = parser.parse_args()
   report = {}
   with tempfile.TemporaryDirectory(prefix="bagel-storage-bench-") as tmp:
     if not args.skip_startup:
-      report["startup"] = startup(Path(tmp), args.shards, args.lines, args.startup_delay_ms)
+      report["startup"] = startup(Path(tmp), args.shards, args.lines, args.startup_delay_ms,
+                                  args.local_only)
       print(_table(report["startup"], [
           ("corpus", "corpus", ""), ("storage", "storage", ""), ("index", "index", ""),
-          ("process_count", "processes", ""), ("first_batch_s", "first batch s", ".2f"),
-          ("rss_above_baseline_mib", "RSS held MiB", ".1f"), ("index_build_s", "index build s",
+          ("process_count", "processes", ""), ("build_s", "build s", ".2f"),
+          ("first_batch_s", "first batch s", ".2f"),
+          ("rss_above_baseline_mib", "RSS held MiB", ".1f"),
+          ("index_bytes_per_unit", "index B/unit", ".1f"), ("index_build_s", "index build s",
                                                           ".1f")]))
     if not args.skip_throughput:
       report["throughput"] = throughput(Path(tmp), args.bench_data, args.seconds, args.delays_ms, args.workers)
       print(_table(report["throughput"], [
           ("storage", "storage", ""), ("workers", "workers", ""),
           ("image_tokens_per_s", "image tokens/s", ",.0f"), ("ratio_to_local", "x local", ".2f"),
+          ("ratio_to_s3_0ms", "x S3 at 0 ms", ".2f"),
           ("first_batch_s", "first batch s", ".2f")]))
   os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
   with open(args.out, "w") as f:

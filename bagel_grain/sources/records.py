@@ -138,8 +138,12 @@ class ShuffledRecords(grain.MapDataset):
     else:  # fewer blocks than processes: rows are shared out one by one
       process_share = (process_index, process_count)
     self._source = source
-    self._block_start, self._block_len = shard_blocks(source.block_sizes(), *process_share)
-    self._per_epoch = int(self._block_len.sum())
+    starts, lens = shard_blocks(source.block_sizes(), *process_share)
+    self._per_epoch = int(lens.sum())
+    # One record per block at consecutive places (JSONL lines): the first place is all it
+    # takes, and an epoch's order is a permutation of the places.
+    self._block_start, self._block_len = (
+        (int(starts[0]) if len(starts) else 0, None) if np.all(lens == 1) else (starts, lens))
     if self._per_epoch == 0:
       raise DatasetError("the group has no records")
     self._seed = seed
@@ -175,13 +179,21 @@ class ShuffledRecords(grain.MapDataset):
     if order is not None:
       return order
     rng = np.random.default_rng([self._seed, self._process_index, epoch])
+    if self._block_len is None:  # what the general case gives for blocks of one record
+      return self._keep(epoch, rng.permutation(self._per_epoch) + self._block_start)
     blocks = rng.permutation(len(self._block_start))
     lens = self._block_len[blocks]
     block_of_row = np.repeat(np.arange(len(blocks)), lens)
     first_row = np.repeat(np.cumsum(lens) - lens, lens)
     rows = np.repeat(self._block_start[blocks], lens) + np.arange(len(block_of_row)) - first_row
     # Rows keep their block's place; inside a block they are ordered by a random key.
-    order = rows[np.lexsort((rng.random(len(rows)), block_of_row))]
+    return self._keep(epoch, rows[np.lexsort((rng.random(len(rows)), block_of_row))])
+
+  def _keep(self, epoch: int, order: np.ndarray) -> np.ndarray:
+    """Keeps an epoch's order (4 bytes a record below 2**31 records), and the one before it
+    (a reader may still be in it)."""
+    if order.max() < 2**31:
+      order = order.astype(np.int32)
     with self._lock:
       self._orders[epoch] = order
       for old in [e for e in self._orders if e < epoch - 1]:
