@@ -41,6 +41,7 @@ _PARQUET_FORMAT = b"bagel-grain parquet index 1"
 _JSONL_FORMAT = "bagel-grain jsonl index 1"
 _SCAN_CHUNK = 1 << 24
 _GATHER_CHUNK = 1 << 20  # boundaries read at a time when gathering a shard's lines
+_WHOLE_READ_SHARE = 8  # a share of over 1/8 of the lines reads every boundary at once
 FOOTER_THREADS = 16
 
 
@@ -336,6 +337,10 @@ class LineIndex:
     if len(lines) and np.all(np.diff(lines) == 1):  # a contiguous run: one read
       bounds = self._lines.read(int(lines[0]), int(lines[-1]) + 2)
       return bounds[:-1].copy(), np.diff(bounds) - 1
+    if len(lines) * _WHOLE_READ_SHARE >= self.count:  # most of the file: one read, no sort
+      bounds = self._lines.read(0, self.count + 1)
+      starts = bounds[lines]
+      return starts, bounds[lines + 1] - 1 - starts
     starts, nexts = np.empty(len(lines), np.int64), np.empty(len(lines), np.int64)
     by_line = np.argsort(lines, kind="stable")
     wanted = lines[by_line]
