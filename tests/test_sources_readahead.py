@@ -11,6 +11,7 @@ from bagel_grain.drops import Drop, DropReason
 from bagel_grain.families.files import DiskFiles
 from bagel_grain.pipeline import build_pipeline
 from bagel_grain.sources.parquet import ParquetRowSource
+from bagel_grain.sources import readahead
 from bagel_grain.sources.readahead import ReadAhead, ReadAheadRecords
 from bagel_grain.sources.records import ConcatSource, ShuffledRecords
 from parquet_files import ALL_IDS, NON_EMPTY_ROW_GROUPS, two_files
@@ -154,4 +155,24 @@ def test_the_pipeline_stops_its_read_ahead_threads_when_closed(demo_config, demo
     assert _read_ahead_threads()
   finally:
     it.close()
+  assert not _read_ahead_threads()
+
+
+def test_close_does_not_wait_forever_on_a_stalled_read(monkeypatch):
+  monkeypatch.setattr(readahead, "CLOSE_WAIT_S", 0.1)
+  started, release = threading.Event(), threading.Event()
+
+  def stalled():
+    started.set()
+    release.wait(60)
+    return b"late", 4
+
+  ahead = ReadAhead(threads=1)
+  ahead.start("stalled", stalled)
+  assert started.wait(30)
+  ahead.close()  # returns although the read is still in flight
+  assert not release.is_set()
+  release.set()
+  for thread in _read_ahead_threads():
+    thread.join(30)
   assert not _read_ahead_threads()

@@ -20,6 +20,7 @@ from __future__ import annotations
 import collections
 import concurrent.futures
 import threading
+import time
 from typing import Any, Callable, Hashable, Iterable
 
 import grain
@@ -28,6 +29,7 @@ THREADS = 8  # requests in flight per group and process
 DEPTH = 32  # elements read ahead of the one asked for
 MAX_BYTES = 64 << 20  # read but not yet taken, per group and process
 WAIT_S = 60.0  # a read ahead not done by then is done again by the consumer
+CLOSE_WAIT_S = 10.0
 
 
 class ReadAhead:
@@ -82,14 +84,18 @@ class ReadAhead:
       return None
 
   def close(self) -> None:
-    """Drops what was read and stops the threads (reads in flight are waited for)."""
+    """Drops what was read and stops the threads: reads in flight get `CLOSE_WAIT_S` to
+    end (a read stalled past that is left to finish on its own; close never hangs)."""
     with self._lock:
       pool, self._pool = self._pool, None
       for future in self._reads.values():
         future.cancel()
       self._reads.clear()
     if pool is not None:
-      pool.shutdown(wait=True, cancel_futures=True)
+      pool.shutdown(wait=False, cancel_futures=True)
+      deadline = time.monotonic() + CLOSE_WAIT_S
+      for thread in list(pool._threads):  # pylint: disable=protected-access
+        thread.join(max(0.0, deadline - time.monotonic()))
 
 
 class ReadAheadRecords(grain.MapDataset):
