@@ -148,7 +148,7 @@ def measure_pipeline(cfg: PipelineConfig, tokenizer, *, workers: int, batch_size
       "first_batch_s": first_batch_s,
       "restore_s": restore_s,
       "state_bytes": len(json.dumps(state)),
-      "buffered_at_restore": len(state["buffer"]),
+      "buffered_at_restore": stats["buffered"],
       "peak_rss_main_mib": main_peak / 2**20,
       "peak_rss_worker_mib": max(sampler.peak_children.values(), default=0) / 2**20,
       "row_fill": float(np.mean(fills)),

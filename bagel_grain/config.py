@@ -108,6 +108,8 @@ class PipelineConfig:
   # NeMo's global seed: when set, it seeds the group draws, dropout and timesteps,
   # and `data_seed` only orders the records, as in NeMo (see `pipeline.stream_seeds`).
   seed: int | None = None
+  # Logical shards the stream is defined over (None = one per JAX process, docs/elastic.md).
+  logical_shards: int | None = None
   # Bad-input limits.
   max_decode_pixels: int = 89_478_485  # Pillow's own default limit
   # Opt-in fast path, off by default: changes pixels slightly (README: fast paths).
@@ -325,6 +327,9 @@ def _check_geometry(cfg: PipelineConfig, file: str) -> None:
   if not any(g.weight > 0 for g in cfg.groups):
     raise ConfigError("at least one group needs a positive `weight`", file=file,
                       key="weight")
+  if cfg.logical_shards is not None and cfg.logical_shards < 1:
+    raise ConfigError(f"`logical_shards` must be >= 1 (or unset), got {cfg.logical_shards}",
+                      file=file, key="logical_shards")
 
 
 def _top_level(raw: Mapping, file: str, base_dir: str,

@@ -1,7 +1,9 @@
-"""The builder: config -> per-group MapDatasets -> mixing -> packing -> batching.
+"""The builder: config -> per shard, per group MapDatasets -> mixing -> packing ->
+the served shards' rows interleaved -> batching.
 
-Reads like the data's path: source, epoch shuffle and process shard, family
-transform, sample preparation, then the three packer stages (docs/architecture.md).
+Reads like the data's path: source, epoch shuffle and logical shard, family
+transform, sample preparation, then the packer stages (docs/architecture.md), one
+mixing and packing pair per logical shard the process serves (docs/elastic.md).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import numpy as np
 
 from bagel_grain import fs, images
 from bagel_grain.config import PipelineConfig
+from bagel_grain.errors import ConfigError, DatasetError
 from bagel_grain.families.base import FamilyTransform
 from bagel_grain.packing.batch import BatchDataset, BatchIterator
 from bagel_grain.packing.drop_policy import DropPolicy
@@ -26,7 +29,8 @@ from bagel_grain.packing.mix import MixDataset, MixSpec, read_ahead
 from bagel_grain.packing.pack import PackDataset, PackSpec
 from bagel_grain.packing.prepare import PrepareSample
 from bagel_grain.packing.row import Capacities, default_capacities
-from bagel_grain.sources.readahead import ReadAhead, ReadAheadRecords
+from bagel_grain.packing.shards import ShardInterleaveDataset, ShardMix
+from bagel_grain.sources import readahead
 from bagel_grain.sources.records import ConcatSource, ShuffledRecords
 
 
@@ -47,10 +51,44 @@ def group_seed(seed: int, group: int) -> int:
   return int(np.random.SeedSequence([seed, group]).generate_state(1)[0])
 
 
-def group_source(cfg: PipelineConfig, group: int) -> ConcatSource:
-  """All records of a group, dataset after dataset."""
+def shard_count(cfg: PipelineConfig, process_count: int) -> int:
+  """S, the logical shards the stream is defined over: the config's, else one per process."""
+  return process_count if cfg.logical_shards is None else cfg.logical_shards
+
+
+def served_shards(cfg: PipelineConfig, process_index: int, process_count: int) -> list[int]:
+  """The logical shards process `p` of `P` serves: those with `s % P == p`."""
+  count = shard_count(cfg, process_count)
+  if not 0 <= process_index < process_count:
+    raise ValueError(f"process_index {process_index} is not in [0, {process_count})")
+  if count < process_count:
+    raise ConfigError(f"{process_count} processes cannot serve {count} logical shards: set "
+                      f"`logical_shards` to at least the largest process count",
+                      key="logical_shards")
+  return list(range(process_index, count, process_count))
+
+
+def rng_shard(cfg: PipelineConfig, shard: int) -> int:
+  """The shard number folded into per-sample RNG keys (0 = none, the pre-shard keys).
+
+  Without `logical_shards` the processes keep the keys they had before logical
+  shards (bit-identical streams); with it, every shard but 0 gets its own draws.
+  """
+  return 0 if cfg.logical_shards is None else shard
+
+
+def family_seed(seed: int, group: int, shard: int) -> int:
+  """The seed of a group's family RNG in a shard (`rng_shard`; 0 = `group_seed`)."""
+  if not shard:
+    return group_seed(seed, group)
+  return int(np.random.SeedSequence([seed, group, shard]).generate_state(1)[0])
+
+
+def group_source(cfg: PipelineConfig, group: int, *, readers: int = 1) -> ConcatSource:
+  """All records of a group, dataset after dataset; `readers`: the logical shards that
+  read it at once (see `Family.source`)."""
   g = cfg.groups[group]
-  return ConcatSource([g.family.source(g, d) for d in g.datasets])
+  return ConcatSource([g.family.source(g, d, readers=readers) for d in g.datasets])
 
 
 def family_transform(cfg: PipelineConfig, group: int, tokenizer) -> FamilyTransform:
@@ -61,39 +99,50 @@ def family_transform(cfg: PipelineConfig, group: int, tokenizer) -> FamilyTransf
   return g.family.make_transform(g, **common)
 
 
-def group_records(cfg: PipelineConfig, group: int, *, seed: int, process_index: int = 0,
-                  process_count: int = 1) -> ShuffledRecords:
-  """One group's records of this process, reshuffled each epoch; `seed` orders them."""
-  return ShuffledRecords(group_source(cfg, group), seed=group_seed(seed, group),
-                         process_index=process_index, process_count=process_count,
-                         num_epochs=cfg.num_epochs)
+def group_records(cfg: PipelineConfig, group: int, *, seed: int, shard: int = 0,
+                  shard_count: int = 1, source: ConcatSource | None = None) -> ShuffledRecords:
+  """One group's records in one logical shard, reshuffled each epoch; `seed` orders them.
+
+  `source` (default: the group's) may be shared by the shards of a process.
+  """
+  try:
+    return ShuffledRecords(group_source(cfg, group) if source is None else source,
+                           seed=group_seed(seed, group), shard_index=shard,
+                           shard_count=shard_count, num_epochs=cfg.num_epochs)
+  except DatasetError as e:
+    raise DatasetError(f"group {cfg.groups[group].name!r}: {e}") from e
 
 
 def prepared_samples(cfg: PipelineConfig, group: int, tokenizer, records: ShuffledRecords, *,
-                     seed: int) -> grain.MapDataset:
+                     seed: int, shard: int = 0, readers: int = 1) -> grain.MapDataset:
   """The records through the group's family transform and the sample layout; `seed`
-  makes every random choice."""
+  (and, with `logical_shards` set, the shard) makes every random choice. Records and
+  their files are read ahead; `readers` (the shards a process serves) share out the
+  process's read-ahead threads and bytes."""
   geometry = Geometry(cfg.vit_patch_size, cfg.vae_image_downsample, cfg.max_num_patch_per_side,
                       cfg.max_latent_size, cfg.interpolate_pos)
+  key_shard = rng_shard(cfg, shard)
   prepare = PrepareSample(seed, geometry, tokenizer.special, cfg.text_cond_dropout_prob,
-                          cfg.vit_cond_dropout_prob, cfg.vae_cond_dropout_prob)
+                          cfg.vit_cond_dropout_prob, cfg.vae_cond_dropout_prob, shard=key_shard)
   family = family_transform(cfg, group, tokenizer)
-  family.read_ahead = ReadAhead()
-  ahead = ReadAheadRecords(records, files_of=family.files_ahead, read_file=fs.read_bytes,
-                           ahead=family.read_ahead)
-  return ahead.random_map(family, seed=group_seed(seed, group)).map(prepare)
+  family.read_ahead = readahead.ReadAhead(threads=max(1, readahead.THREADS // readers),
+                                          max_bytes=readahead.MAX_BYTES // readers)
+  ahead = readahead.ReadAheadRecords(records, files_of=family.files_ahead,
+                                     read_file=fs.read_bytes, ahead=family.read_ahead,
+                                     depth=max(2, readahead.DEPTH // readers))
+  return ahead.random_map(family, seed=family_seed(seed, group, key_shard)).map(prepare)
 
 
 def group_dataset(cfg: PipelineConfig, group: int, tokenizer, *, seed: int,
-                  order_seed: int | None = None, process_index: int = 0,
-                  process_count: int = 1) -> grain.MapDataset:
-  """One group's prepared samples, element i = the key (group, i) of this process.
+                  order_seed: int | None = None, shard: int = 0,
+                  shard_count: int = 1) -> grain.MapDataset:
+  """One group's prepared samples in one logical shard, element i = the key (group, i).
 
   `order_seed` (default `seed`) orders the records; `seed` makes every random choice.
   """
   records = group_records(cfg, group, seed=seed if order_seed is None else order_seed,
-                          process_index=process_index, process_count=process_count)
-  return prepared_samples(cfg, group, tokenizer, records, seed=seed)
+                          shard=shard, shard_count=shard_count)
+  return prepared_samples(cfg, group, tokenizer, records, seed=seed, shard=shard)
 
 
 def capacities(cfg: PipelineConfig) -> Capacities:
@@ -110,16 +159,21 @@ def capacities(cfg: PipelineConfig) -> Capacities:
   return dataclasses.replace(caps, **overrides)
 
 
-def fingerprint(cfg: PipelineConfig, tokenizer, *, seed: int, process_index: int,
-                process_count: int) -> dict[str, Any]:
-  """What shapes the stream; a restore under a different one is refused, naming the field."""
+def fingerprint(cfg: PipelineConfig, tokenizer, *, seed: int,
+                shard_count: int) -> dict[str, Any]:
+  """What shapes the stream; a restore under a different one is refused, naming the field.
+
+  The process index and count are not in it: with `logical_shards` set, a state
+  restores under any process count (docs/elastic.md).
+  """
   shaping = dataclasses.asdict(cfg)
   for name in ("num_workers", "batch_size", "use_flex"):  # they never change a row
     del shaping[name]
+  if cfg.logical_shards is None:  # the hash of a config from before logical shards
+    del shaping["logical_shards"]
   config_hash = hashlib.sha256(json.dumps(shaping, sort_keys=True, default=str).encode())
   return {"config": config_hash.hexdigest()[:16], "tokenizer": tokenizer.fingerprint(),
-          "seed": int(seed), "process_index": int(process_index),
-          "process_count": int(process_count)}
+          "seed": int(seed), "logical_shards": int(shard_count)}
 
 
 def build_pipeline(cfg: PipelineConfig, tokenizer, *, seed: int | None = None,
@@ -128,42 +182,54 @@ def build_pipeline(cfg: PipelineConfig, tokenizer, *, seed: int | None = None,
   """The Grain dataset of batches: `PackedBatch` dicts of `[batch_size, ...]` numpy arrays.
 
   The stream is a pure function of (config, tokenizer, seed, process_index,
-  process_count); `workers` (default: the config's `num_workers`) only sets how
-  many processes decode ahead. `batch_size` defaults to the config's (NeMo's
-  `step_scheduler.local_batch_size`), rows per batch of this process.
+  process_count); with `logical_shards` set, the stream of each logical shard is
+  a pure function of (config, tokenizer, seed), and a state saved under one
+  process count restores under another (docs/elastic.md). `workers` (default: the
+  config's `num_workers`) only sets how many processes decode ahead. `batch_size`
+  defaults to the config's (NeMo's `step_scheduler.local_batch_size`), rows per
+  batch of this process.
   """
   order_seed, seed = stream_seeds(cfg, seed)
   if cfg.allow_truncated_images:
     images.enable_truncated_images()  # process-wide Pillow switch, applied at build time
-  records = [group_records(cfg, g, seed=order_seed, process_index=process_index,
-                           process_count=process_count) for g in range(len(cfg.groups))]
-  groups = [prepared_samples(cfg, g, tokenizer, records[g], seed=seed)
-            for g in range(len(cfg.groups))]
+  count = shard_count(cfg, process_count)
+  served = served_shards(cfg, process_index, process_count)
+  # One source per group for all served shards: one file index, one row-group cache.
+  sources = [group_source(cfg, g, readers=len(served)) for g in range(len(cfg.groups))]
   caps = capacities(cfg)
   workers = cfg.num_workers if workers is None else workers
   weights = tuple(g.weight for g in cfg.groups)
   mandatory = tuple(g.is_mandatory for g in cfg.groups)
-  mixed = MixDataset(groups, MixSpec(
-      group_names=tuple(g.name for g in cfg.groups), weights=weights,
-      records_per_epoch=tuple(r.records_per_epoch for r in records), seed=seed,
-      process_index=process_index, drops=DropPolicy(
-          max_num_tokens_per_sample=cfg.max_num_tokens_per_sample, capacities=caps,
-          max_consecutive_drops=cfg.max_consecutive_drops,
-          bad_record_window=cfg.bad_record_window, max_bad_ratio=cfg.max_bad_ratio)),
-      fetcher=functools.partial(Fetcher, workers=workers,
-                                depths=read_ahead(weights, mandatory, workers)))
-  rows = PackDataset(mixed, PackSpec(
-      mandatory=mandatory, expected_num_tokens=cfg.expected_num_tokens,
-      max_num_tokens=cfg.max_num_tokens, prefer_buffer_before=cfg.prefer_buffer_before,
-      max_buffer_size=cfg.max_buffer_size, capacities=caps))
+  drops = DropPolicy(max_num_tokens_per_sample=cfg.max_num_tokens_per_sample, capacities=caps,
+                     max_consecutive_drops=cfg.max_consecutive_drops,
+                     bad_record_window=cfg.bad_record_window, max_bad_ratio=cfg.max_bad_ratio)
+  shards = {}
+  for s in served:
+    records = [group_records(cfg, g, seed=order_seed, shard=s, shard_count=count,
+                             source=sources[g]) for g in range(len(cfg.groups))]
+    groups = [prepared_samples(cfg, g, tokenizer, records[g], seed=seed, shard=s,
+                               readers=len(served)) for g in range(len(cfg.groups))]
+    shards[s] = ShardMix(groups, MixSpec(
+        group_names=tuple(g.name for g in cfg.groups), weights=weights,
+        records_per_epoch=tuple(r.records_per_epoch for r in records), seed=seed,
+        process_index=s, drops=drops))  # the weighted draws are keyed by the shard
+  # One fetcher (one pool of workers) for all served shards; their read-ahead shares it.
+  depths = read_ahead(weights, mandatory, workers / len(served))
+  rows = ShardInterleaveDataset(
+      shards, PackSpec(mandatory=mandatory, expected_num_tokens=cfg.expected_num_tokens,
+                       max_num_tokens=cfg.max_num_tokens,
+                       prefer_buffer_before=cfg.prefer_buffer_before,
+                       max_buffer_size=cfg.max_buffer_size, capacities=caps),
+      shard_count=count,
+      fetcher=functools.partial(Fetcher, workers=workers, depths=depths * len(served)))
   return BatchDataset(rows, batch_size=cfg.batch_size if batch_size is None else batch_size,
-                      capacities=caps, fingerprint=fingerprint(
-                          cfg, tokenizer, seed=seed, process_index=process_index,
-                          process_count=process_count))
+                      capacities=caps, fingerprint=fingerprint(cfg, tokenizer, seed=seed,
+                                                               shard_count=count))
 
 
 def pipeline_stats(iterator: BatchIterator) -> dict[str, Any]:
-  """The packer's counters (drawn, packed, dropped by reason, epochs) of a running pipeline.
+  """The packer's counters (drawn, packed, dropped by reason, epochs) of a running pipeline,
+  summed over the logical shards the process serves (a group's epoch: its shards' lowest).
 
   Takes the iterator of `build_pipeline`'s dataset (the same as `iterator.stats()`).
   """

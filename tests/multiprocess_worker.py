@@ -17,23 +17,17 @@ from pathlib import Path
 
 
 def main(process_id: int, num_processes: int, port: int, config: str, out_dir: str) -> None:
-  import jax  # pylint: disable=import-outside-toplevel
-  jax.config.update("jax_cpu_collectives_implementation", "gloo")
-  jax.distributed.initialize(coordinator_address=f"127.0.0.1:{port}",
-                             num_processes=num_processes, process_id=process_id,
-                             initialization_timeout=60)
+  from jax_cluster import join_cluster  # pylint: disable=import-outside-toplevel
+  cfg, tokenizer, mesh = join_cluster(process_id, num_processes, port, config)
   # pylint: disable=import-outside-toplevel
+  import jax
   import jax.numpy as jnp
   import numpy as np
-  from jax.sharding import AxisType, NamedSharding, PartitionSpec
+  from jax.sharding import NamedSharding, PartitionSpec
 
-  import bagel_grain
   from bagel_grain import jax as bgj
   from bagel_grain.pipeline import build_pipeline
 
-  cfg = bagel_grain.load_config(config)
-  tokenizer = bagel_grain.load_tokenizer(cfg.tokenizer_path)
-  mesh = jax.make_mesh((jax.device_count(),), ("data",), axis_types=(AxisType.Auto,))
   batch_size = 2
 
   def data():

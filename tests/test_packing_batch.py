@@ -50,7 +50,7 @@ def test_state_is_sealed_with_version_and_fingerprint():
   with iter(ds) as it:
     next(it)
     state = it.get_state()
-  assert state["version"] == 1 and state["fingerprint"] == {"test": 1}
+  assert state["version"] == 2 and state["fingerprint"] == {"test": 1}
   assert state["next_index"] and "buffer" in state and "stats" in state
 
 

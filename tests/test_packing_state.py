@@ -17,8 +17,20 @@ def test_sealed_then_opened_gives_the_stages_state_back():
 
 
 def test_another_version_is_refused():
-  with pytest.raises(StateMismatchError, match="version 7; this bagel_grain reads version 1"):
+  with pytest.raises(StateMismatchError, match="version 7; this bagel_grain reads version 2"):
     opened({**sealed({}, FINGERPRINT), "version": 7}, FINGERPRINT)
+
+
+def test_a_version_1_state_opens_as_the_logical_shard_of_its_process():
+  # Release 0.1.0: one process's packing state, the process in the fingerprint.
+  packer = {"next_index": [3], "draws": 2, "buffer": [[0, 1]], "carried": [],
+            "stats": {"rows": 5}}
+  old = {"version": 1, "fingerprint": {**FINGERPRINT, "process_index": 1, "process_count": 2},
+         **packer}
+  assert opened(old, {**FINGERPRINT, "logical_shards": 2}) == {
+      "logical_shards": 2, "shards": {"1": {"rows": 5, "ended": False, "packer": packer}}}
+  with pytest.raises(StateMismatchError, match="logical_shards: saved 2, now 4"):
+    opened(old, {**FINGERPRINT, "logical_shards": 4})
 
 
 def test_another_stream_is_refused_naming_each_field_that_differs():

@@ -72,7 +72,7 @@ def test_restore_under_another_config_or_layout_is_refused(demo_config, demo_tok
   changed = dataclasses.replace(demo_config, max_buffer_size=3)
   with pytest.raises(StateMismatchError, match="config"):
     iter(build_pipeline(changed, demo_tokenizer, batch_size=1, workers=0)).set_state(state)
-  with pytest.raises(StateMismatchError, match="process_count"):
+  with pytest.raises(StateMismatchError, match="logical_shards: saved 1, now 2"):
     iter(build_pipeline(demo_config, demo_tokenizer, batch_size=1, workers=0,
                         process_count=2)).set_state(state)
   with pytest.raises(StateMismatchError, match="seed"):
@@ -135,11 +135,13 @@ def test_state_saved_by_release_0_1_restores_to_the_same_batches(demo_config, de
                            workers=0))
   try:
     # The config hash covers the demo data's absolute paths, which differ per test run;
-    # everything else that shapes the stream must match as saved.
+    # everything else that shapes the stream must match as saved (0.1.0 named the process,
+    # 0 of 1, where logical shard 0 of 1 stands now).
     ours = it.get_state()["fingerprint"]
     assert {k: v for k, v in state["fingerprint"].items() if k != "config"} == {
-        k: v for k, v in ours.items() if k != "config"}
-    it.set_state({**state, "fingerprint": ours})
+        "tokenizer": ours["tokenizer"], "seed": ours["seed"], "process_index": 0,
+        "process_count": ours["logical_shards"]}
+    it.set_state({**state, "fingerprint": {**state["fingerprint"], "config": ours["config"]}})
     assert [batch_sha256(next(it), demo_dir) for _ in saved["next_batch_sha256"]] == \
         saved["next_batch_sha256"]
   finally:

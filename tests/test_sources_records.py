@@ -91,35 +91,35 @@ def test_file_damaged_mid_run_becomes_an_error_record(files, damage):
   assert all(r.error is None for r in good)
 
 
-# --- sharding by process -----------------------------------------------------------------
+# --- sharding by logical shard -----------------------------------------------------------
 
 
-def test_process_shards_are_disjoint_and_cover_every_record(tmp_path):
+def test_logical_shards_are_disjoint_and_cover_every_record(tmp_path):
   path = tmp_path / "rows.jsonl"
   path.write_text("".join(f"line {i}\n" for i in range(11)))
   seen = []
   for process in range(3):
     records = ShuffledRecords(ConcatSource([JsonlLineSource(str(path))]), seed=9,
-                              process_index=process, process_count=3)
+                              shard_index=process, shard_count=3)
     seen.append({r.fields for r in _epoch(records, 0)})
     assert len(seen[-1]) == records.records_per_epoch >= 3
   assert set.union(*seen) == {f"line {i}".encode() for i in range(11)}
   assert sum(len(s) for s in seen) == 11
 
 
-def test_fewer_row_groups_than_processes_splits_rows(tmp_path):
+def test_fewer_row_groups_than_shards_splits_rows(tmp_path):
   path = write_parquet(tmp_path / "small.parquet", [["r0", "r1", "r2"], ["r3", "r4", "r5"]])
   seen = []
   for process in range(4):
     records = ShuffledRecords(ConcatSource([ParquetRowSource([path], ["id"])]), seed=0,
-                              process_index=process, process_count=4)
+                              shard_index=process, shard_count=4)
     seen.append([r.fields["id"] for r in _epoch(records, 0)])
   assert all(len(ids) >= 1 for ids in seen)
   assert sorted(sum(seen, [])) == ["r0", "r1", "r2", "r3", "r4", "r5"]
 
 
-def test_shard_blocks_needs_a_record_per_process():
-  # One block of two rows, two processes: the rows are split, one each.
+def test_shard_blocks_needs_a_record_per_shard():
+  # One block of two rows, two shards: the rows are split, one each.
   starts, sizes = shard_blocks([2], 1, 2)
   assert starts.tolist() == [1] and sizes.tolist() == [1]
   # Three blocks of 4, 1, 2 rows: contiguous shares.

@@ -64,7 +64,7 @@ def test_indexed_jsonl_gives_the_scanned_records(tmp_path, process_index, proces
                                                  shuffle):
   path = _jsonl(tmp_path)
   kwargs = dict(num_used=40, shuffle_lines=shuffle, shuffle_seed=3)
-  shard = dict(process_index=process_index, process_count=process_count)
+  shard = dict(shard_index=process_index, shard_count=process_count)
   scanned = _records(JsonlLineSource(path, **kwargs), **shard)
   sidecar.write_jsonl_index(path, [3] if shuffle else [])
   indexed_source = JsonlLineSource(path, **kwargs)
@@ -108,7 +108,7 @@ def _parquet_dir(tmp_path, files=4):
 def test_indexed_parquet_reads_no_footer_and_gives_the_same_records(tmp_path, monkeypatch,
                                                                    process_index):
   folder = _parquet_dir(tmp_path)
-  shard = dict(process_index=process_index, process_count=2)
+  shard = dict(shard_index=process_index, shard_count=2)
   footers = _records(dataset_source(folder, 6, ["id"]), **shard)
   sidecar.write_parquet_index(folder)
   monkeypatch.setattr(sidecar, "read_footer", _no_footer)
@@ -121,15 +121,15 @@ def _no_footer(path):
 
 def test_parquet_info_spares_the_footers_of_other_processes_files(tmp_path, monkeypatch):
   folder = _parquet_dir(tmp_path)
-  expected = _records(dataset_source(folder, None, ["id"]), process_index=1, process_count=2)
+  expected = _records(dataset_source(folder, None, ["id"]), shard_index=1, shard_count=2)
   info = tmp_path / "parquet_info.json"
   info.write_text(json.dumps({f"pq/part-{f}.parquet": {"num_row_groups": 3, "num_rows": 9}
                               for f in range(4)}))
   read = []
   real = sidecar.read_footer
   monkeypatch.setattr(sidecar, "read_footer", lambda p: read.append(p) or real(p))
-  got = _records(dataset_source(folder, None, ["id"], str(info)), process_index=1,
-                 process_count=2)
+  got = _records(dataset_source(folder, None, ["id"], str(info)), shard_index=1,
+                 shard_count=2)
   assert got == expected
   assert sorted(os.path.basename(p) for p in read) == ["part-2.parquet", "part-3.parquet"]
 

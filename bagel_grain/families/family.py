@@ -50,15 +50,17 @@ class Family:
   def reads_jsonl(self) -> bool:
     return self.columns is None
 
-  def source(self, group: GroupConfig, dataset: DatasetSpec) -> RecordSource:
-    """The records one dataset of a group contributes, in source order."""
+  def source(self, group: GroupConfig, dataset: DatasetSpec, *,
+             readers: int = 1) -> RecordSource:
+    """The records one dataset of a group contributes, in source order; `readers`: the
+    logical shards reading it at once (parquet keeps a row group in hand for each)."""
     if dataset.array_record_path is not None:  # converted: records of any family
       return ArrayRecordSource(array_record_files(dataset.array_record_path))
     if self.reads_jsonl:
       return JsonlLineSource(dataset.jsonl_path, num_used=dataset.num_used_data,
                              shuffle_lines=group.shuffle_lines, shuffle_seed=group.shuffle_seed)
     return parquet_dataset(dataset.data_dir, dataset.num_used_data, self.columns,
-                           dataset.parquet_info_path)
+                           dataset.parquet_info_path, readers=readers)
 
   def make_transform(self, config: GroupConfig, /, **common: Any) -> FamilyTransform:
     """The group's transform; `common` holds what every family takes (`group` its index)."""

@@ -1,19 +1,29 @@
 """Orbax checkpoints that hold the data iterator beside the model state.
 
-One checkpoint step is an Orbax `Composite` of two items:
-`state` (any pytree of arrays, `StandardSave`) and `data` (the Grain iterator
-through Grain's own handler, `grain.checkpoint.CheckpointSave`), which writes one
-small JSON per JAX process (`data/process_<i>-of-<n>.json`). Works with the
-plain pipeline iterator and with `DevicePrefetchIterator`, whose state is the
-position after the last batch the trainer took.
+One checkpoint step is an Orbax `Composite` of two items: `state` (any pytree of
+arrays, `StandardSave`) and `data`, the pipeline iterator's position, written
+the way Grain's elastic iterator writes its shards: one small JSON per logical
+shard, `data/shard_state_<s>-of-<S>.json`, each process writing the shards it
+serves. A process restoring under any process count reads the files of the
+shards it serves now, whichever process wrote them (docs/elastic.md). Works
+with the plain pipeline iterator and with `DevicePrefetchIterator`, whose state
+is the position after the last batch the trainer took; any other iterator is
+saved per process by Grain's own handler (`data/process_<i>-of-<n>.json`).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import json
+import re
 from typing import Any
 
 import grain
 import orbax.checkpoint as ocp
+from etils import epath
+
+from bagel_grain.errors import StateMismatchError
+from bagel_grain.packing.shards import joined_states, split_state
 
 STATE, DATA = "state", "data"
 
@@ -35,7 +45,7 @@ def save(manager: ocp.CheckpointManager, step: int, state: Any,
   """
   saved = manager.save(step, args=ocp.args.Composite(**{
       STATE: ocp.args.StandardSave(state),
-      DATA: grain.checkpoint.CheckpointSave(iterator)}))
+      DATA: ShardStatesSave(iterator)}))
   if wait:
     manager.wait_until_finished()
   return saved
@@ -54,5 +64,89 @@ def restore(manager: ocp.CheckpointManager, step: int | None, state_template: An
     raise FileNotFoundError(f"no checkpoint in {manager.directory}")
   restored = manager.restore(step, args=ocp.args.Composite(**{
       STATE: ocp.args.StandardRestore(state_template),
-      DATA: grain.checkpoint.CheckpointRestore(iterator)}))
+      DATA: ShardStatesRestore(iterator)}))
   return restored[STATE]
+
+
+_SHARD_FILE = re.compile(r"shard_state_(\d+)-of-(\d+)\.json")
+
+
+def _sharded(state: Any) -> bool:
+  return isinstance(state, dict) and "shards" in state and "logical_shards" in state
+
+
+class ShardStatesHandler:
+  """Orbax handler of the pipeline iterator: one JSON file per logical shard.
+
+  Falls back to Grain's per-process file for iterators whose state is not the
+  pipeline's (e.g. the pipeline wrapped in further Grain transformations), and
+  reads that file from checkpoints written before logical shards.
+  """
+
+  def save(self, directory: epath.Path, item: Any = None, args: Any = None) -> None:
+    item = item if item is not None else args.item
+    state = item.get_state()
+    if not _sharded(state):
+      grain.checkpoint.CheckpointHandler().save(directory,
+                                                args=grain.checkpoint.CheckpointSave(item))
+      return
+    count = state["logical_shards"]
+    for shard, part in split_state(state).items():
+      (directory / f"shard_state_{shard}-of-{count}.json").write_text(json.dumps(part, indent=1))
+
+  def restore(self, directory: epath.Path, item: Any = None, args: Any = None) -> Any:
+    item = item if item is not None else args.item
+    served = item.get_state()
+    if not _sharded(served):
+      return grain.checkpoint.CheckpointHandler().restore(
+          directory, args=grain.checkpoint.CheckpointRestore(item))
+    saved_counts = {int(m.group(2)) for f in directory.iterdir()
+                    if (m := _SHARD_FILE.fullmatch(f.name))}
+    if not saved_counts:  # written per process, before logical shards
+      return grain.checkpoint.CheckpointHandler().restore(
+          directory, args=grain.checkpoint.CheckpointRestore(item))
+    count = served["logical_shards"]
+    if saved_counts != {count}:
+      raise StateMismatchError(
+          f"the checkpoint in {directory} holds logical shards of {sorted(saved_counts)} "
+          f"(logical_shards: saved {sorted(saved_counts)}, now {count}): restore with the "
+          "logical_shards it was saved with (unset means one per process)")
+    parts = []
+    for shard in served["shards"]:
+      path = directory / f"shard_state_{shard}-of-{count}.json"
+      if not path.exists():
+        raise StateMismatchError(f"{path} is missing: this process serves logical shard "
+                                 f"{shard} of {count}")
+      parts.append(json.loads(path.read_text()))
+    item.set_state(joined_states(parts))
+    item.start_prefetch()
+    return item
+
+  # The rest of Orbax's CheckpointHandler interface: nothing to do for small JSON files.
+  def structure(self, directory: epath.Path) -> Any:
+    del directory
+
+  def metadata(self, directory: epath.Path) -> Any:
+    del directory
+
+  def finalize(self, directory: epath.Path) -> None:
+    del directory
+
+  def close(self) -> None:
+    pass
+
+  @classmethod
+  def typestr(cls) -> str:
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
+@ocp.args.register_with_handler(ShardStatesHandler, for_save=True)
+@dataclasses.dataclass
+class ShardStatesSave(ocp.args.CheckpointArgs):
+  item: Any
+
+
+@ocp.args.register_with_handler(ShardStatesHandler, for_restore=True)
+@dataclasses.dataclass
+class ShardStatesRestore(ocp.args.CheckpointArgs):
+  item: Any

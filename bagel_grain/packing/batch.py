@@ -2,8 +2,9 @@
 
 Rows are written in place (pixels are copied once, from the sample into the
 batch). Each batch carries `sample_keys` per row; a finite stream's last batch is
-padded with empty rows. This is the pipeline's outer stage: its state is the
-packing stage's, sealed with a version and the stream's fingerprint.
+padded with empty rows. This is the pipeline's outer stage: its state is that of
+the rows it batches (a packing stage, or the interleaving of a process's logical
+shards), sealed with a version and the stream's fingerprint.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from bagel_grain.packing import state as envelope
 from bagel_grain.packing.pack import PackDataset, PackIterator
 from bagel_grain.packing.prepare import PreparedSample
 from bagel_grain.packing.row import Capacities, batch_row, empty_row, write_row
+from bagel_grain.packing.shards import ShardInterleaveDataset, ShardInterleaveIterator
 from bagel_grain.packing.stage import StageIterator
 
 SampleKeys = tuple[tuple[str, int, int, str], ...]
@@ -29,8 +31,8 @@ class BatchDataset(grain.IterDataset):
   Grain operations that would take the stream apart refuse with what to use instead.
   """
 
-  def __init__(self, rows: PackDataset, *, batch_size: int, capacities: Capacities,
-               fingerprint: dict[str, Any]):
+  def __init__(self, rows: PackDataset | ShardInterleaveDataset, *, batch_size: int,
+               capacities: Capacities, fingerprint: dict[str, Any]):
     super().__init__(rows)
     if batch_size < 1:
       raise ValueError(f"batch_size must be >= 1, got {batch_size}")
@@ -65,10 +67,11 @@ class BatchDataset(grain.IterDataset):
 
 
 class BatchIterator(StageIterator):
-  """Batches from a `PackIterator`; `stats()` reports the pipeline's counters."""
+  """Batches of rows from a `PackIterator` or a `ShardInterleaveIterator`; `stats()` reports
+  the pipeline's counters."""
 
-  def __init__(self, rows: PackIterator, *, batch_size: int, capacities: Capacities,
-               fingerprint: dict[str, Any]):
+  def __init__(self, rows: PackIterator | ShardInterleaveIterator, *, batch_size: int,
+               capacities: Capacities, fingerprint: dict[str, Any]):
     super().__init__(rows)
     self._rows = rows
     self._batch_size = batch_size

@@ -43,9 +43,14 @@ def resized_image_tokens(sample: Sample, *, vit_patch_size: int, vae_downsample:
   return sum(tokens_by_image.values())
 
 
-def sample_rng(seed: int, key: SampleKey) -> np.random.Generator:
-  """The per-sample generator for packing-time choices, keyed by (seed, sample key)."""
-  return np.random.default_rng([seed, _CHOICES_STREAM, key.group, key.index])
+def sample_rng(seed: int, key: SampleKey, shard: int = 0) -> np.random.Generator:
+  """The per-sample generator for packing-time choices, keyed by (seed, shard, sample key).
+
+  Shard 0 (and every shard of the default one-shard-per-process layout) keeps the
+  key without a shard, the key of the stream before logical shards.
+  """
+  shard_key = [shard] if shard else []
+  return np.random.default_rng([seed, _CHOICES_STREAM, key.group, key.index, *shard_key])
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,13 +61,15 @@ class PrepareSample(grain.transforms.Map):
   text_cond_dropout_prob: float
   vit_cond_dropout_prob: float
   vae_cond_dropout_prob: float
+  shard: int = 0  # folded into the sample's RNG key (see `sample_rng`)
 
   def map(self, element: Sample | Dropped) -> PreparedSample | Dropped:
     if isinstance(element, Dropped):
       return element
     drops, timesteps = draw_sample_choices(
-        element.plan, sample_rng(self.seed, element.key), text_p=self.text_cond_dropout_prob,
-        vit_p=self.vit_cond_dropout_prob, vae_p=self.vae_cond_dropout_prob)
+        element.plan, sample_rng(self.seed, element.key, self.shard),
+        text_p=self.text_cond_dropout_prob, vit_p=self.vit_cond_dropout_prob,
+        vae_p=self.vae_cond_dropout_prob)
     layout = layout_sample(element.plan, element.text_ids, element.images, cfg_drops=drops,
                            timesteps=timesteps, geometry=self.geometry, special=self.special)
     image_tokens = resized_image_tokens(element, vit_patch_size=self.geometry.vit_patch_size,

@@ -110,3 +110,12 @@ def report(stats: dict[str, Any]) -> dict[str, Any]:
     by_reason.update(d)
   out["drops_by_reason"] = dict(by_reason)
   return out
+
+
+def summed(reports: Sequence[Any]) -> Any:
+  """Reports (or any nested dicts of numbers) added up key by key, a missing key as 0:
+  the counters of the logical shards one process serves."""
+  if not isinstance(reports[0], dict):
+    return sum(reports)
+  keys = dict.fromkeys(k for r in reports for k in r)
+  return {k: summed([r[k] for r in reports if k in r]) for k in keys}

@@ -15,7 +15,38 @@ from bagel_grain.errors import DatasetError
 from bagel_grain.sources.base import PartOffsets
 from bagel_grain.sources import sidecar
 
-_CACHED_ROW_GROUPS = 4  # per process; rows are read in row-group-blocked order
+_CACHED_ROW_GROUPS = 4  # for one reader; rows are read in row-group-blocked order
+
+
+class _RowGroupCache:
+  """An LRU of decoded row groups, shared by the parts `restrict` cuts from one source
+  (the logical shards of a process): `_CACHED_ROW_GROUPS`, plus one per further reader.
+  A pickled copy (a worker's) starts empty; parts pickled together share it there too."""
+
+  def __init__(self, readers: int = 1):
+    self.capacity = _CACHED_ROW_GROUPS + readers - 1
+    self._groups: collections.OrderedDict = collections.OrderedDict()
+    self._lock = threading.Lock()
+
+  def __getstate__(self):
+    return {"capacity": self.capacity}
+
+  def __setstate__(self, state):
+    self.__init__()
+    self.capacity = state["capacity"]
+
+  def get(self, key):
+    with self._lock:
+      if key in self._groups:
+        self._groups.move_to_end(key)
+        return self._groups[key]
+    return None
+
+  def put(self, key, columns) -> None:
+    with self._lock:
+      self._groups[key] = columns
+      while len(self._groups) > self.capacity:
+        self._groups.popitem(last=False)
 
 
 class ParquetCatalog:
@@ -111,18 +142,21 @@ class ParquetRowSource:
   Index order is file by file, row group by row group; `block_sizes()` gives the
   row groups' sizes so the order layer can shuffle them as units and read
   each row group once per pass. A small LRU of decoded row groups serves the rows.
-  `restrict(first, last)` keeps blocks [first, last) only: a process holds (and
-  reads footers for) its own share.
+  `restrict(first, last)` keeps blocks [first, last) only: a logical shard holds
+  (and reads footers for) its own share. `readers`: how many logical shards of a
+  process read parts of it at once; the parts share one cache with a row group in
+  hand for each.
   """
 
   def __init__(self, files: Sequence[str], columns: Sequence[str], *,
-               catalog: ParquetCatalog | None = None, blocks: tuple[int, int] | None = None):
+               catalog: ParquetCatalog | None = None, blocks: tuple[int, int] | None = None,
+               readers: int = 1, cache: _RowGroupCache | None = None):
     self._catalog = catalog or ParquetCatalog(files, columns)
     self._files = list(files)
     self._columns = list(columns)
     self._range = blocks or (0, self._catalog.num_blocks)
     self._built = False
-    self._cache: collections.OrderedDict = collections.OrderedDict()
+    self._cache = cache or _RowGroupCache(readers)
     self._lock = threading.Lock()
     self._loading: dict[tuple[str, int], threading.Lock] = {}
     self.row_group_reads = 0
@@ -138,7 +172,8 @@ class ParquetRowSource:
     start = self._range[0]
     blocks = (start + first, start + last)
     if not self._built:
-      return ParquetRowSource(self._files, self._columns, catalog=self._catalog, blocks=blocks)
+      return ParquetRowSource(self._files, self._columns, catalog=self._catalog, blocks=blocks,
+                              cache=self._cache)
     part = ParquetRowSource.__new__(ParquetRowSource)  # the catalog is gone: cut the arrays
     part.__setstate__({**self.__getstate__(), "_range": blocks})
     arrays = (self._block_file, self._block_rg, self._blocks.sizes, self._block_file_row)
@@ -158,7 +193,6 @@ class ParquetRowSource:
   def __getstate__(self):
     self._build()  # workers get the arrays, never the catalog
     state = self.__dict__.copy()
-    state["_cache"] = collections.OrderedDict()
     state["_lock"], state["_loading"] = None, {}
     return state
 
@@ -184,10 +218,9 @@ class ParquetRowSource:
     with self._lock:
       loading = self._loading.setdefault(key, threading.Lock())
     with loading:  # one read per row group, however many threads (read-ahead) want it
-      with self._lock:
-        if key in self._cache:
-          self._cache.move_to_end(key)
-          return self._cache[key]
+      columns = self._cache.get(key)
+      if columns is not None:
+        return columns
       try:
         with fs.open_random_access(key[0]) as f:
           table = pq.ParquetFile(f).read_row_group(key[1], columns=self._columns)
@@ -195,9 +228,7 @@ class ParquetRowSource:
         with self._lock:
           self.row_group_reads += 1
           self.bytes_read += table.nbytes
-          self._cache[key] = columns
-          while len(self._cache) > _CACHED_ROW_GROUPS:
-            self._cache.popitem(last=False)
+        self._cache.put(key, columns)
       finally:
         with self._lock:
           self._loading.pop(key, None)
@@ -231,7 +262,8 @@ def dataset_files(data_dir: str, num_used: int | None) -> list[str]:
 
 
 def dataset_source(data_dir: str, num_used: int | None, columns: Sequence[str],
-                   parquet_info_path: str | None = None) -> ParquetRowSource:
-  """The rows of a parquet dataset folder (see `dataset_catalog`)."""
+                   parquet_info_path: str | None = None, *, readers: int = 1) -> ParquetRowSource:
+  """The rows of a parquet dataset folder (see `dataset_catalog`; `readers` as in
+  `ParquetRowSource`)."""
   catalog = dataset_catalog(data_dir, num_used, columns, parquet_info_path)
-  return ParquetRowSource(catalog.files, columns, catalog=catalog)
+  return ParquetRowSource(catalog.files, columns, catalog=catalog, readers=readers)

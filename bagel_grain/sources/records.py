@@ -1,4 +1,4 @@
-"""A group's records in epoch-wise blocked shuffle order, sharded by process.
+"""A group's records in epoch-wise blocked shuffle order, one logical shard's share.
 
 Element `i` of the resulting MapDataset is the record the stream sees i-th: its
 index is the sample key Grain seeds the family's RNG with. Each epoch permutes
@@ -96,49 +96,51 @@ class ConcatSource:
     return source[i]
 
 
-def block_share(num_blocks: int, process_index: int, process_count: int) -> tuple[int, int]:
-  """Blocks [first, last) of one process: `np.array_split`'s contiguous share, by arithmetic."""
-  base, extra = divmod(num_blocks, process_count)
-  first = process_index * base + min(process_index, extra)
-  return first, first + base + (process_index < extra)
+def block_share(num_blocks: int, shard_index: int, shard_count: int) -> tuple[int, int]:
+  """Blocks [first, last) of one logical shard: `np.array_split`'s contiguous share, by
+  arithmetic."""
+  base, extra = divmod(num_blocks, shard_count)
+  first = shard_index * base + min(shard_index, extra)
+  return first, first + base + (shard_index < extra)
 
 
-def shard_blocks(sizes: np.ndarray, process_index: int,
-                 process_count: int) -> tuple[np.ndarray, np.ndarray]:
-  """A contiguous, disjoint share of the blocks for one process, as (starts, sizes).
+def shard_blocks(sizes: np.ndarray, shard_index: int,
+                 shard_count: int) -> tuple[np.ndarray, np.ndarray]:
+  """A contiguous, disjoint share of the blocks for one logical shard, as (starts, sizes).
 
-  With fewer blocks than processes the blocks are split into single rows first,
-  so that every process still gets records.
+  With fewer blocks than shards the blocks are split into single rows first,
+  so that every shard still gets records.
   """
   sizes = np.asarray(sizes, np.int64)
   starts = np.cumsum(sizes) - sizes
-  if len(sizes) < process_count:
+  if len(sizes) < shard_count:
     starts, sizes = np.arange(int(sizes.sum()), dtype=np.int64), np.ones(int(sizes.sum()), np.int64)
-  if len(sizes) < process_count:
-    raise DatasetError(f"{len(sizes)} records cannot be shared by {process_count} processes")
-  share = np.array_split(np.arange(len(sizes)), process_count)[process_index]
+  if len(sizes) < shard_count:
+    raise DatasetError(f"{len(sizes)} records cannot be shared by {shard_count} logical shards "
+                       "(one per process unless `logical_shards` is set)")
+  share = np.array_split(np.arange(len(sizes)), shard_count)[shard_index]
   return starts[share], sizes[share]
 
 
 class ShuffledRecords(grain.MapDataset):
-  """Process-local records, reshuffled each epoch; endless when `num_epochs` is None.
+  """One logical shard's records, reshuffled each epoch; endless when `num_epochs` is None.
 
-  With at least one block per process, the source is restricted to this process's
+  With at least one block per shard, the source is restricted to this shard's
   blocks before anything per record is loaded: rows are numbered from the share's
   first block, a constant shift that leaves the order (a permutation of blocks,
   then of rows inside each) exactly as on the whole source.
   """
 
-  def __init__(self, source: ConcatSource, *, seed: int, process_index: int = 0,
-               process_count: int = 1, num_epochs: int | None = None):
+  def __init__(self, source: ConcatSource, *, seed: int, shard_index: int = 0,
+               shard_count: int = 1, num_epochs: int | None = None):
     super().__init__()
-    if source.num_blocks() >= process_count:
-      source = source.restrict(*block_share(source.num_blocks(), process_index, process_count))
-      process_share = (0, 1)
-    else:  # fewer blocks than processes: rows are shared out one by one
-      process_share = (process_index, process_count)
+    if source.num_blocks() >= shard_count:
+      source = source.restrict(*block_share(source.num_blocks(), shard_index, shard_count))
+      share = (0, 1)
+    else:  # fewer blocks than shards: rows are shared out one by one
+      share = (shard_index, shard_count)
     self._source = source
-    starts, lens = shard_blocks(source.block_sizes(), *process_share)
+    starts, lens = shard_blocks(source.block_sizes(), *share)
     self._per_epoch = int(lens.sum())
     # One record per block at consecutive places (JSONL lines): the first place is all it
     # takes, and an epoch's order is a permutation of the places.
@@ -147,7 +149,7 @@ class ShuffledRecords(grain.MapDataset):
     if self._per_epoch == 0:
       raise DatasetError("the group has no records")
     self._seed = seed
-    self._process_index = process_index
+    self._shard_index = shard_index
     self._num_epochs = num_epochs
     self._orders: dict[int, np.ndarray] = {}
     self._lock = threading.Lock()
@@ -178,7 +180,7 @@ class ShuffledRecords(grain.MapDataset):
       order = self._orders.get(epoch)
     if order is not None:
       return order
-    rng = np.random.default_rng([self._seed, self._process_index, epoch])
+    rng = np.random.default_rng([self._seed, self._shard_index, epoch])
     if self._block_len is None:  # what the general case gives for blocks of one record
       return self._keep(epoch, rng.permutation(self._per_epoch) + self._block_start)
     blocks = rng.permutation(len(self._block_start))

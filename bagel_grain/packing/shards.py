@@ -1,0 +1,192 @@
+"""Interleaving: one process's rows, from the packers of the logical shards it serves.
+
+Process `p` of `P` serves the logical shards `s` with `s % P == p` (docs/elastic.md);
+each has its own mixing and packing stages over its own share of the records, and
+all of them one fetcher (one pool of workers). The next row comes from the served
+shard that has packed the fewest rows so far (the lowest shard number on a tie)
+among those not yet ended: the rule needs no state beyond each shard's own, so
+after a resize the shards a process inherits catch up with each other first.
+
+State: per served shard, its row count, whether it ended, and its packing stage's
+state; the checkpoint splits it into one file per shard (`split_state`) and any
+process count re-assembles the files it needs (`joined_states`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import weakref
+from typing import Any, Callable, Iterable, Mapping, Sequence
+
+import grain
+
+from bagel_grain.errors import StateMismatchError
+from bagel_grain.packing import stats
+from bagel_grain.packing.mix import ElementFetcher, FetcherFactory, MixDataset, MixSpec
+from bagel_grain.packing.pack import PackDataset, PackIterator, PackSpec
+from bagel_grain.packing.prepare import PreparedSample
+from bagel_grain.packing.stage import StageIterator
+
+_SHARD_KEYS = ("shard", "rows", "ended", "packer")  # a shard's part of a saved state
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardMix:
+  """One logical shard's group datasets and its mixing spec (draws keyed by the shard)."""
+
+  groups: Sequence[grain.MapDataset]
+  spec: MixSpec
+
+
+class _GroupsFrom:
+  """One shard's view of the shared fetcher: its groups are `offset`, `offset + 1`, ..."""
+
+  def __init__(self, fetcher: ElementFetcher, offset: int):
+    self._fetcher, self._offset = fetcher, offset
+
+  def get(self, group: int, index: int) -> Any:
+    return self._fetcher.get(self._offset + group, index)
+
+  def get_many(self, keys: Sequence[tuple[int, int]]) -> list[Any]:
+    return self._fetcher.get_many([(self._offset + g, i) for g, i in keys])
+
+  def reset(self) -> None:
+    self._fetcher.reset()
+
+  def close(self) -> None:
+    pass  # the interleaving stage closes the shared fetcher
+
+
+class ShardInterleaveDataset(grain.IterDataset):
+  """Rows (tuples of `PreparedSample`) of the served shards, interleaved."""
+
+  def __init__(self, shards: Mapping[int, ShardMix], pack: PackSpec, *, shard_count: int,
+               fetcher: FetcherFactory):
+    super().__init__([g for shard in shards.values() for g in shard.groups])
+    self._shards = dict(shards)
+    self.pack = pack
+    self.shard_count = shard_count
+    self._fetcher = fetcher
+
+  @property
+  def shards(self) -> tuple[int, ...]:
+    """The logical shards this process serves."""
+    return tuple(self._shards)
+
+  def __iter__(self) -> ShardInterleaveIterator:
+    return ShardInterleaveIterator(self._shards, self.pack, shard_count=self.shard_count,
+                                   fetcher=self._fetcher)
+
+  def __str__(self) -> str:
+    return f"ShardInterleaveDataset(shards={self.shards} of {self.shard_count})"
+
+
+class ShardInterleaveIterator(StageIterator):
+  """See the module docstring."""
+
+  def __init__(self, shards: Mapping[int, ShardMix], pack: PackSpec, *, shard_count: int,
+               fetcher: FetcherFactory):
+    super().__init__()
+    self._close_fetcher: Callable[[], Any] = lambda: None  # until there is a fetcher
+    fetcher = fetcher([g for shard in shards.values() for g in shard.groups])
+    # Closes the fetcher at close(), or at interpreter exit while the modules still work.
+    self._close_fetcher = weakref.finalize(self, fetcher.close)
+    self._packers: dict[int, PackIterator] = {}
+    offset = 0
+    for s, shard in shards.items():
+      view = _GroupsFrom(fetcher, offset)
+      mixed = MixDataset(shard.groups, shard.spec, fetcher=lambda _, view=view: view)
+      self._packers[s] = PackDataset(mixed, pack).__iter__()
+      offset += len(shard.groups)
+    self._shard_count = shard_count
+    self._rows = dict.fromkeys(self._packers, 0)
+    self._ended: set[int] = set()
+
+  @property
+  def group_names(self) -> tuple[str, ...]:
+    return next(iter(self._packers.values())).group_names
+
+  def __next__(self) -> tuple[PreparedSample, ...]:
+    while True:
+      live = [s for s in self._packers if s not in self._ended]
+      if not live:
+        raise StopIteration
+      shard = min(live, key=lambda s: (self._rows[s], s))
+      row = self._waiting(next, self._packers[shard], None)
+      if row is None:
+        self._ended.add(shard)
+        continue
+      self._rows[shard] += 1
+      return row
+
+  def get_state(self) -> dict[str, Any]:
+    return {"logical_shards": self._shard_count,
+            "shards": {str(s): {"rows": self._rows[s], "ended": s in self._ended,
+                                "packer": it.get_state()} for s, it in self._packers.items()}}
+
+  def set_state(self, state: dict[str, Any]) -> None:
+    saved = state.get("logical_shards")
+    if saved != self._shard_count:
+      raise StateMismatchError(
+          f"the state was saved with {saved} logical shards and this pipeline has "
+          f"{self._shard_count} (logical_shards: saved {saved}, now {self._shard_count}). "
+          "Without `logical_shards` there is one per process, so the process count must "
+          "stay the same; set `logical_shards` (a new stream) to resume on other counts.")
+    missing = [s for s in self._packers if str(s) not in state["shards"]]
+    if missing:
+      raise StateMismatchError(
+          f"the state holds no entry for logical shards {missing}, which this process serves "
+          f"(it holds {sorted(int(s) for s in state['shards'])}; a state saved before logical "
+          "shards holds only its own process's)")
+    for s, packer in self._packers.items():
+      entry = state["shards"][str(s)]
+      packer.set_state(entry["packer"])
+      self._rows[s] = int(entry["rows"])
+    self._ended = {s for s in self._packers if state["shards"][str(s)]["ended"]}
+
+  def stats(self) -> dict[str, Any]:
+    """The packers' counters summed over the served shards; a group's epoch is the lowest."""
+    reports = [packer.stats() for packer in self._packers.values()]
+    total = stats.summed(reports)
+    total["epoch"] = {g: min(r["epoch"][g] for r in reports) for g in reports[0]["epoch"]}
+    return total
+
+  def close(self) -> None:
+    for packer in self._packers.values():
+      packer.close()
+    self._close_fetcher()
+    super().close()
+
+  def __str__(self) -> str:
+    return f"ShardInterleaveIterator(shards={tuple(self._packers)} of {self._shard_count})"
+
+
+def split_state(state: dict[str, Any]) -> dict[int, dict[str, Any]]:
+  """A pipeline state as one self-contained part per logical shard (a checkpoint file):
+  the shard's entry beside everything the state holds for all shards."""
+  common = {k: v for k, v in state.items() if k != "shards"}
+  return {int(s): {**common, "shard": int(s), **entry} for s, entry in state["shards"].items()}
+
+
+def joined_states(parts: Iterable[dict[str, Any]]) -> dict[str, Any]:
+  """Parts of `split_state` (from any processes) as one state; they must agree on the rest."""
+  common, shards = None, {}
+  for part in parts:
+    rest = {k: v for k, v in part.items() if k not in _SHARD_KEYS}
+    if common is None:
+      common = rest
+    elif rest != common:
+      raise StateMismatchError(f"logical shard {part['shard']} was saved by another stream "
+                               f"than the other shards ({rest} vs {common})")
+    if str(part["shard"]) in shards:
+      raise StateMismatchError(f"logical shard {part['shard']} was saved twice")
+    shards[str(part["shard"])] = {k: part[k] for k in _SHARD_KEYS if k != "shard"}
+  if common is None:
+    raise StateMismatchError("no logical shard states to restore from")
+  return {**common, "shards": shards}
+
+
+def merge_states(states: Iterable[dict[str, Any]]) -> dict[str, Any]:
+  """The states of several processes as one holding all their shards: what a checkpoint
+  holds; any process restores from it the shards it serves."""
+  return joined_states(part for state in states for part in split_state(state).values())

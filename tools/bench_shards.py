@@ -1,0 +1,130 @@
+"""What logical shards cost: throughput and peak RSS per logical shard count, side by side.
+
+Each setting runs in a fresh interpreter (so its peak RSS is its own), for
+`--rounds` rounds in alternating order; the table shows medians over rounds of
+the per-window medians, and each throughput and memory figure as a ratio to
+`S = 1`. Settings: one process serving S = 1, 8, 64 logical shards, and process 0
+of 8 serving its 8 of 64.
+
+    python tools/bench_shards.py --config configs/bench.yaml --seconds 20 --rounds 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+SETTINGS = (  # (label, logical shards, process count); this process is process 0
+    ("S=1", 1, 1), ("S=8", 8, 1), ("S=64", 64, 1), ("S=64, P=8", 64, 8))
+
+
+def measure(config: str, shards: int, processes: int, *, workers: int, batch_size: int,
+            seconds: float, windows: int, warmup: int) -> dict:
+  """One setting, in this process: throughput per window, peak RSS, state and buffers."""
+  # pylint: disable=import-outside-toplevel
+  import bagel_grain
+  from bagel_grain.bench import _RssSampler  # pylint: disable=protected-access
+  cfg = bagel_grain.load_config(config, logical_shards=shards)
+  tokenizer = bagel_grain.load_tokenizer(cfg.tokenizer_path)
+  sampler = _RssSampler()
+  start = time.perf_counter()
+  it = iter(bagel_grain.build_pipeline(cfg, tokenizer, batch_size=batch_size, process_index=0,
+                                       process_count=processes, workers=workers))
+  try:
+    next(it)
+    first_batch_s = time.perf_counter() - start
+    for _ in range(warmup):
+      next(it)
+    rates = []
+    for _ in range(windows):
+      before, t0 = bagel_grain.pipeline_stats(it), time.perf_counter()
+      while time.perf_counter() - t0 < seconds / windows:
+        next(it)
+      elapsed, after = time.perf_counter() - t0, bagel_grain.pipeline_stats(it)
+      rates.append(((after["tokens"] - before["tokens"]) / elapsed,
+                    (after["image_tokens"] - before["image_tokens"]) / elapsed))
+    state, stats = it.get_state(), bagel_grain.pipeline_stats(it)
+  finally:
+    it.close()
+  sampler.stop()
+  return {
+      "packed_tokens_per_s": statistics.median(r[0] for r in rates),
+      "image_tokens_per_s": statistics.median(r[1] for r in rates),
+      "first_batch_s": first_batch_s,
+      "served_shards": len(state["shards"]),
+      "state_bytes_per_shard": max(len(json.dumps(s)) for s in state["shards"].values()),
+      "buffered": stats["buffered"],
+      "peak_rss_main_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+      "peak_rss_worker_mib": max(sampler.peak_children.values(), default=0) / 2**20,
+  }
+
+
+def run_setting(args, shards: int, processes: int) -> dict:
+  """`measure` in a fresh interpreter."""
+  cmd = [sys.executable, __file__, "--child", str(shards), str(processes), "--config",
+         args.config, "--workers", str(args.workers), "--batch-size", str(args.batch_size),
+         "--seconds", str(args.seconds), "--windows", str(args.windows), "--warmup",
+         str(args.warmup)]
+  out = subprocess.run(cmd, check=True, capture_output=True, text=True, cwd=ROOT)
+  return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def table(results: dict[str, list[dict]]) -> str:
+  def median(label, key):
+    return statistics.median(r[key] for r in results[label])
+
+  base_tok = median("S=1", "image_tokens_per_s")
+  base_rss = max(r["peak_rss_main_mib"] + r["peak_rss_worker_mib"] for r in results["S=1"])
+  lines = ["setting     shards  image tok/s  x S=1  packed tok/s  peak RSS MiB (main+workers)"
+           "  x S=1  buffered  state B/shard  first batch"]
+  for label, runs in results.items():
+    rss = max(r["peak_rss_main_mib"] + r["peak_rss_worker_mib"] for r in runs)
+    tok = median(label, "image_tokens_per_s")
+    lines.append(
+        f"{label:10s}  {runs[0]['served_shards']:6d}  {tok:11,.0f}  {tok / base_tok:5.2f}  "
+        f"{median(label, 'packed_tokens_per_s'):12,.0f}  {rss:27,.0f}  {rss / base_rss:5.2f}  "
+        f"{median(label, 'buffered'):8.0f}  {max(r['state_bytes_per_shard'] for r in runs):13d}"
+        f"  {median(label, 'first_batch_s'):9.1f} s")
+  return "\n".join(lines)
+
+
+def main() -> int:
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--config", default="configs/bench.yaml")
+  parser.add_argument("--workers", type=int, default=0)
+  parser.add_argument("--batch-size", type=int, default=1)
+  parser.add_argument("--seconds", type=float, default=20.0, help="timed seconds per setting")
+  parser.add_argument("--windows", type=int, default=4)
+  parser.add_argument("--warmup", type=int, default=2, help="batches before timing")
+  parser.add_argument("--rounds", type=int, default=2)
+  parser.add_argument("--json", help="also write the raw results here")
+  parser.add_argument("--child", nargs=2, type=int, help=argparse.SUPPRESS)
+  args = parser.parse_args()
+  if args.child:
+    print(json.dumps(measure(args.config, *args.child, workers=args.workers,
+                             batch_size=args.batch_size, seconds=args.seconds,
+                             windows=args.windows, warmup=args.warmup)))
+    return 0
+  results: dict[str, list[dict]] = {label: [] for label, _, _ in SETTINGS}
+  for r in range(args.rounds):
+    order = SETTINGS if r % 2 == 0 else SETTINGS[::-1]  # alternate: drift hits all alike
+    for label, shards, processes in order:
+      results[label].append(run_setting(args, shards, processes))
+      print(f"round {r + 1}: {label} done", file=sys.stderr)
+  print(f"workers={args.workers}, batch_size={args.batch_size}, {args.seconds:.0f} s per "
+        f"setting, medians of {args.rounds} rounds")
+  print(table(results))
+  if args.json:
+    Path(args.json).write_text(json.dumps(results, indent=1))
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())
