@@ -6,12 +6,13 @@ the per-window medians, and each throughput and memory figure as a ratio to
 `S = 1`. Settings: one process serving S = 1, 8, 64 logical shards, and process 0
 of 8 serving its 8 of 64.
 
-    python tools/bench_shards.py --config configs/bench.yaml --seconds 20 --rounds 2
+    python tools/bench_shards.py --data .bench_data --workers 2 --seconds 20 --rounds 2
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import resource
 import statistics
@@ -25,13 +26,15 @@ SETTINGS = (  # (label, logical shards, process count); this process is process 
     ("S=1", 1, 1), ("S=8", 8, 1), ("S=64", 64, 1), ("S=64, P=8", 64, 8))
 
 
-def measure(config: str, shards: int, processes: int, *, workers: int, batch_size: int,
-            seconds: float, windows: int, warmup: int) -> dict:
+def measure(config: str | None, data: str, shards: int, processes: int, *, workers: int,
+            batch_size: int, seconds: float, windows: int, warmup: int) -> dict:
   """One setting, in this process: throughput per window, peak RSS, state and buffers."""
   # pylint: disable=import-outside-toplevel
   import bagel_grain
   from bagel_grain.bench import _RssSampler  # pylint: disable=protected-access
-  cfg = bagel_grain.load_config(config, logical_shards=shards)
+  from bagel_grain.configs import load_shipped
+  cfg = bagel_grain.load_config(config) if config else load_shipped("bench", data)
+  cfg = dataclasses.replace(cfg, logical_shards=shards)
   tokenizer = bagel_grain.load_tokenizer(cfg.tokenizer_path)
   sampler = _RssSampler()
   start = time.perf_counter()
@@ -68,8 +71,9 @@ def measure(config: str, shards: int, processes: int, *, workers: int, batch_siz
 
 def run_setting(args, shards: int, processes: int) -> dict:
   """`measure` in a fresh interpreter."""
-  cmd = [sys.executable, __file__, "--child", str(shards), str(processes), "--config",
-         args.config, "--workers", str(args.workers), "--batch-size", str(args.batch_size),
+  config = ["--config", args.config] if args.config else []
+  cmd = [sys.executable, __file__, "--child", str(shards), str(processes), *config, "--data",
+         args.data, "--workers", str(args.workers), "--batch-size", str(args.batch_size),
          "--seconds", str(args.seconds), "--windows", str(args.windows), "--warmup",
          str(args.warmup)]
   out = subprocess.run(cmd, check=True, capture_output=True, text=True, cwd=ROOT)
@@ -97,7 +101,8 @@ def table(results: dict[str, list[dict]]) -> str:
 
 def main() -> int:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument("--config", default="configs/bench.yaml")
+  parser.add_argument("--config", help="a config of yours (default: the shipped bench config)")
+  parser.add_argument("--data", default=".bench_data", help="data of the shipped bench config")
   parser.add_argument("--workers", type=int, default=0)
   parser.add_argument("--batch-size", type=int, default=1)
   parser.add_argument("--seconds", type=float, default=20.0, help="timed seconds per setting")
@@ -108,7 +113,7 @@ def main() -> int:
   parser.add_argument("--child", nargs=2, type=int, help=argparse.SUPPRESS)
   args = parser.parse_args()
   if args.child:
-    print(json.dumps(measure(args.config, *args.child, workers=args.workers,
+    print(json.dumps(measure(args.config, args.data, *args.child, workers=args.workers,
                              batch_size=args.batch_size, seconds=args.seconds,
                              windows=args.windows, warmup=args.warmup)))
     return 0
