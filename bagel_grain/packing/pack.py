@@ -84,6 +84,7 @@ class PackIterator(StageIterator):
     self._counts.row(groups, self._row.used_tokens, missing=[
         g for g, m in enumerate(self._spec.mandatory)
         if m and not self._mix.exhausted(g) and g not in groups])
+    self._row.reset()  # the row is the caller's now: an idle shard keeps no pixels alive
     return tuple(members)
 
   def _fits(self, s: PreparedSample) -> bool:
