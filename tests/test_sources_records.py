@@ -149,7 +149,7 @@ def test_a_jsonl_share_holds_20_bytes_a_line_with_its_epoch_order(tmp_path):
   path = tmp_path / "rows.jsonl"
   path.write_text("".join(f"line {i}\n" for i in range(10_000)))
   records = ShuffledRecords(ConcatSource([JsonlLineSource(str(path))]), seed=9,
-                            process_index=1, process_count=4)
+                            shard_index=1, shard_count=4)
   assert records[0].fields.startswith(b"line ")  # the share's lines and first order loaded
   assert records.records_per_epoch == 2_500
   assert _array_bytes(records, set()) <= 20 * 2_500 + 64
