@@ -64,6 +64,8 @@ class _RssSampler:
 class _NoTokenizer:
   """Stands in for the tokenizer in the floor: the floor is images only."""
 
+  longest_token_chars = 1 << 40  # no text is too long for no tokens
+
   def encode(self, text):
     return np.zeros(0, np.int32)
 

@@ -21,7 +21,8 @@ from bagel_grain.errors import ConfigError
 from bagel_grain.families.family import Family
 from bagel_grain.families.registry import FAMILIES
 from bagel_grain.families.video import FrameSamplerArgs
-from bagel_grain.images import DEFAULT_MAX_PIXELS, ImageTransform
+from bagel_grain.images import DEFAULT_MAX_IMAGE_BYTES, DEFAULT_MAX_PIXELS, ImageTransform
+from bagel_grain.sources.parquet import DEFAULT_CACHE_BYTES
 
 
 @dataclasses.dataclass(frozen=True)
@@ -110,8 +111,11 @@ class PipelineConfig:
   seed: int | None = None
   # Logical shards the stream is defined over (None = one per JAX process, docs/elastic.md).
   logical_shards: int | None = None
-  # Bad-input limits.
+  # Bad-input limits (README: bad input). None of them changes which good records are packed.
   max_decode_pixels: int = 89_478_485  # Pillow's own default limit
+  max_image_bytes: int = DEFAULT_MAX_IMAGE_BYTES  # a larger image file is never read
+  max_row_group_cache_bytes: int = DEFAULT_CACHE_BYTES  # decoded row groups, per parquet dataset
+  element_timeout_s: float = 300.0  # one element at most, then the stream stops
   # Opt-in fast path, off by default: changes pixels slightly (README: fast paths).
   jpeg_draft: bool = False
   allow_truncated_images: bool = False
@@ -136,6 +140,24 @@ class PipelineConfig:
 
 
 _PACKING_FIELDS = {f.name for f in dataclasses.fields(PipelineConfig)} - {"groups"}
+# The allowed range of each numeric top-level field, bounds included (None: unbounded).
+_RANGES: dict[str, tuple[float | None, float | None]] = {
+    "expected_num_tokens": (1, None), "max_num_tokens": (1, None),
+    "max_num_tokens_per_sample": (1, None), "prefer_buffer_before": (0, None),
+    "max_buffer_size": (0, None), "vit_patch_size": (1, None),
+    "max_num_patch_per_side": (1, None), "data_seed": (0, None), "seed": (0, None),
+    "text_cond_dropout_prob": (0, 1), "vit_cond_dropout_prob": (0, 1),
+    "vae_cond_dropout_prob": (0, 1), "vae_image_downsample": (1, None),
+    "max_latent_size": (1, None), "vit_patch_capacity": (1, None),
+    "vae_token_capacity": (1, None), "vae_image_capacity": (1, None),
+    "split_capacity": (1, None), "num_workers": (0, None), "num_epochs": (1, None),
+    "batch_size": (1, None), "logical_shards": (1, None), "max_decode_pixels": (1, None),
+    "max_image_bytes": (1, None),
+    "max_row_group_cache_bytes": (0, None), "max_consecutive_drops": (1, None),
+    "bad_record_window": (1, None), "max_bad_ratio": (0, 1), "element_timeout_s": (0.001, None),
+}
+_PATH_KINDS = {"data_dir": ("folder",), "jsonl_path": ("file",), "parquet_info_path": ("file",),
+               "array_record_path": ("file", "folder")}
 _GROUP_KEYS = {"dataset_names", "weight", "is_mandatory", "num_used_data",
                "image_transform_args", "vit_image_transform_args", "frame_sampler_args",
                "shuffle_lines", "shuffle_seed", "resume_data_status"}
@@ -174,6 +196,15 @@ def _number(value: Any, kind: type, *, file: str, group: str | None, key: str):
   return kind(value)
 
 
+def _check_range(value: float, least: float | None, greatest: float | None, *, file: str,
+                 group: str | None, key: str) -> None:
+  if not ((least is None or value >= least) and (greatest is None or value <= greatest)):
+    bounds = (f"between {least} and {greatest}" if least is not None and greatest is not None
+              else f">= {least}" if least is not None else f"<= {greatest}")
+    raise ConfigError(f"`{key}` must be {bounds}, got {value!r}", file=file, group=group,
+                      key=key)
+
+
 def _check_keys(mapping: Mapping, allowed: set[str], *, file: str, group: str | None,
                 where: str):
   for key in mapping:
@@ -191,6 +222,11 @@ def _transform(raw: Any, *, file: str, group: str, key: str) -> ImageTransform:
       raise ConfigError(f"missing `{required}`", file=file, group=group, key=key)
   values = {k: _number(v, int, file=file, group=group, key=f"{key}.{k}")
             for k, v in raw.items()}
+  for k, v in values.items():
+    _check_range(v, 1, None, file=file, group=group, key=f"{key}.{k}")
+  if values["min_image_size"] > values["max_image_size"]:
+    raise ConfigError(f"min_image_size {values['min_image_size']} exceeds max_image_size "
+                      f"{values['max_image_size']}", file=file, group=group, key=key)
   values.setdefault("max_pixels", DEFAULT_MAX_PIXELS)
   return ImageTransform(**values)
 
@@ -224,8 +260,13 @@ def _datasets(family: Family, raw: Mapping, info: Mapping, info_dir: str, info_f
       if key not in entry:
         continue
       path = fs.resolve(entry[key], info_dir)
-      if not fs.exists(path):
+      kind = fs.kind(path)
+      if kind == "missing":
         raise ConfigError(f"path does not exist: {path}", file=info_file, group=group,
+                          key=f"{name}.{key}")
+      if kind not in _PATH_KINDS[key]:
+        raise ConfigError(f"{path} is a {kind}; `{key}` must name a "
+                          f"{' or a '.join(_PATH_KINDS[key])}", file=info_file, group=group,
                           key=f"{name}.{key}")
       paths[key] = path
     if "data_dir" not in paths and "array_record_path" in paths:
@@ -238,6 +279,7 @@ def _datasets(family: Family, raw: Mapping, info: Mapping, info_dir: str, info_f
                         file=info_file, group=group, key=f"{name}.jsonl_path")
     if n is not None:
       n = _number(n, int, file=file, group=group, key="num_used_data")
+      _check_range(n, 1, None, file=file, group=group, key="num_used_data")
     specs.append(DatasetSpec(name=name, num_used_data=n, **paths))
   return tuple(specs)
 
@@ -266,6 +308,7 @@ def _group(name: str, raw: Any, info: Mapping, info_dir: str, info_file: str,
   if "shuffle_seed" in raw:
     kwargs["shuffle_seed"] = _number(raw["shuffle_seed"], int, file=file, group=name,
                                      key="shuffle_seed")
+    _check_range(kwargs["shuffle_seed"], 0, None, file=file, group=name, key="shuffle_seed")
   for key, field in (("image_transform_args", "image_transform"),
                      ("vit_image_transform_args", "vit_image_transform")):
     if key in raw:
@@ -302,6 +345,14 @@ def _check_transform(t: ImageTransform, *, kind: str, stride: tuple[str, int],
     raise ConfigError(
         f"{kind} max_image_size {t.max_image_size} / {stride_field} {stride_value} exceeds "
         f"{limit_field} {limit_value}", file=file, group=group, key=f"{key}.max_image_size")
+
+
+def _check_ranges(cfg: PipelineConfig, file: str, written: Mapping[str, str]) -> None:
+  """Each numeric top-level field in its range; `written` names keys as the file wrote them."""
+  for key, (least, greatest) in _RANGES.items():
+    value = getattr(cfg, key)
+    if value is not None:
+      _check_range(value, least, greatest, file=file, group=None, key=written.get(key, key))
 
 
 def _check_geometry(cfg: PipelineConfig, file: str) -> None:
@@ -382,6 +433,7 @@ def config_from_dict(raw: Mapping, *, file: str = "<dict>", base_dir: str = ".")
                  for name, g in groups_raw.items())
   kwargs = _top_level(raw, file, base_dir, written)
   cfg = PipelineConfig(groups=groups, **kwargs)
+  _check_ranges(cfg, file, written)
   _check_geometry(cfg, groups_file)
   return cfg
 
@@ -393,5 +445,6 @@ def load_config(path: str | os.PathLike, **overrides: Any) -> PipelineConfig:
   cfg = config_from_dict(raw, file=path, base_dir=fs.dirname(path))
   if overrides:
     cfg = dataclasses.replace(cfg, **overrides)
+    _check_ranges(cfg, path, {})
     _check_geometry(cfg, path)
   return cfg

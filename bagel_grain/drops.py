@@ -33,10 +33,13 @@ class DropReason(enum.StrEnum):
   NO_LOSS_ITEM = "no_loss_item"
   BAD_CAPTION = "bad_caption"
   BAD_EDIT_LISTS = "bad_edit_lists"
+  TEXT_TOO_LONG = "text_too_long"  # more characters than any sample can hold, never tokenized
   # A file the record references could not be reached.
   MISSING_FILE = "missing_file"
   PATH_OUTSIDE_DATA_DIR = "path_outside_data_dir"
   VIDEO_UNREADABLE = "video_unreadable"
+  NOT_A_REGULAR_FILE = "not_a_regular_file"  # a FIFO, device or socket: never opened
+  FILE_TOO_LARGE = "file_too_large"  # an image file over `max_image_bytes`: never read
   # An image could not become pixels.
   BAD_IMAGE = "bad_image"
   TOO_MANY_PIXELS = "too_many_pixels"
@@ -60,7 +63,8 @@ RECORD_REASONS = frozenset({DropReason.UNREADABLE_FILE, DropReason.CORRUPT_RECOR
 IMAGE_REASONS = frozenset({DropReason.BAD_IMAGE, DropReason.TOO_MANY_PIXELS,
                            DropReason.TRUNCATED_IMAGE})
 FILE_REASONS = frozenset({DropReason.MISSING_FILE, DropReason.PATH_OUTSIDE_DATA_DIR,
-                          DropReason.VIDEO_UNREADABLE})
+                          DropReason.VIDEO_UNREADABLE, DropReason.NOT_A_REGULAR_FILE,
+                          DropReason.FILE_TOO_LARGE})
 
 
 @dataclasses.dataclass(frozen=True)

@@ -20,6 +20,7 @@ import functools
 import os
 import posixpath
 import shutil
+import stat
 import tempfile
 import urllib.parse
 
@@ -99,6 +100,12 @@ def is_dir(path: str) -> bool:
   return fs.get_file_info(p).type == pafs.FileType.Directory
 
 
+def kind(path: str) -> str:
+  """"file" (a regular file), "folder", "missing", or "special file" (FIFO, device, socket)."""
+  return {pafs.FileType.File: "file", pafs.FileType.Directory: "folder",
+          pafs.FileType.NotFound: "missing"}.get(file_info(path).type, "special file")
+
+
 def file_info(path: str) -> pafs.FileInfo:
   """Type, size and modification time of one path (one request on an object store)."""
   fs, p = filesystem(path)
@@ -127,6 +134,50 @@ def read_bytes(path: str) -> bytes:
   fs, p = filesystem(path)
   with fs.open_input_stream(p) as f:
     return f.read()
+
+
+class FileRefused(OSError):
+  """A file not read on purpose: `regular` False for a FIFO, device or socket, else too large."""
+
+  def __init__(self, message: str, *, regular: bool):
+    super().__init__(message)
+    self.regular = regular
+
+
+def read_file(path: str, max_bytes: int | None) -> bytes:
+  """A regular file's bytes; anything else, or more than `max_bytes`, is refused unread.
+
+  One stat decides before anything is opened: a FIFO, device or socket is never
+  opened (opening a FIFO waits for a writer), and a huge file is never read into
+  memory. A local file is checked again on the opened descriptor, in case it was
+  swapped in between. Raises FileRefused, or OSError when it cannot be read.
+  """
+  limit = -1 if max_bytes is None else max_bytes + 1  # one byte more tells it grew
+  if is_uri(path):
+    fs, p = filesystem(path)
+    info = fs.get_file_info(p)
+    if info.type == pafs.FileType.NotFound:
+      raise FileNotFoundError(f"no such file: {path}")
+    _check_file(path, info.type == pafs.FileType.File, info.size, max_bytes)
+    with fs.open_input_stream(p) as f:
+      data = f.read(limit if limit > 0 else None)
+  else:
+    info = os.stat(path)
+    _check_file(path, stat.S_ISREG(info.st_mode), info.st_size, max_bytes)
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC)
+    with open(fd, "rb", closefd=True) as f:
+      info = os.fstat(fd)
+      _check_file(path, stat.S_ISREG(info.st_mode), info.st_size, max_bytes)
+      data = f.read(limit)
+  _check_file(path, True, len(data), max_bytes)
+  return data
+
+
+def _check_file(path: str, regular: bool, size: int, max_bytes: int | None) -> None:
+  if not regular:
+    raise FileRefused(f"{path} is not a regular file", regular=False)
+  if max_bytes is not None and size > max_bytes:
+    raise FileRefused(f"{path}: {size} bytes > {max_bytes}", regular=True)
 
 
 def write_bytes(path: str, data: bytes) -> None:

@@ -15,6 +15,7 @@ from PIL import Image, ImageFile
 from bagel_grain.drops import IMAGE_REASONS, Drop, DropReason
 
 DEFAULT_MAX_PIXELS = 14 * 14 * 9 * 1024
+DEFAULT_MAX_IMAGE_BYTES = 128 << 20  # an image file larger than this is not read
 
 
 class ImageError(Drop):
@@ -67,25 +68,49 @@ def _is_high_bit(mode: str) -> bool:
   return mode in ("I", "F") or mode.startswith("I;16")
 
 
-def _to_8bit(img: Image.Image) -> Image.Image:
+_STRIP_PIXELS = 1 << 18  # conversions run on strips of about this many pixels
+
+
+def _strips(img: Image.Image):
+  """(top, strip image) over the rows of `img`, each strip about `_STRIP_PIXELS` pixels."""
+  rows = max(1, _STRIP_PIXELS // max(1, img.width))
+  for top in range(0, img.height, rows):
+    yield top, img.crop((0, top, img.width, min(top + rows, img.height)))
+
+
+def _float_range(img: Image.Image) -> tuple[float, float]:
+  """Min and max of the finite values of an F image, strip by strip."""
+  lo, hi = np.inf, -np.inf
+  for _, strip in _strips(img):
+    a = np.asarray(strip)
+    finite = a[np.isfinite(a)]
+    if finite.size:
+      lo, hi = min(lo, float(finite.min())), max(hi, float(finite.max()))
+  return (lo, hi) if lo <= hi else (0.0, 0.0)
+
+
+def _to_8bit(img: Image.Image, value_range: tuple[float, float] | None) -> Image.Image:
   """Map 16-bit, 32-bit and float grey images to 8 bit (L, or RGBA when keyed).
 
   Pillow's convert("RGB") clips I, I;16 and F values to 0..255 (a 16-bit photo
   turns almost white, a 0..1 float one black) instead of rescaling. Integer modes
   are read as 16-bit samples (what 16-bit PNG / TIFF decode to) and scaled by
-  1/257; F has no fixed range, so its own min..max is stretched to 0..255. A
-  transparency key becomes alpha so to_rgb can composite it. Upstream would let
-  Pillow clip; no golden covers these modes.
+  1/257, rounded to nearest (`(v + 128) // 257`, exact integer arithmetic); F has
+  no fixed range, so the image's `value_range` (its finite min..max) is stretched
+  to 0..255. A transparency key becomes alpha so to_rgb can composite it.
+  Upstream would let Pillow clip; no golden covers these modes.
   """
   a = np.asarray(img)
-  x = a.astype(np.float64)
   if img.mode == "F":
-    finite = x[np.isfinite(x)]
-    lo, hi = (float(finite.min()), float(finite.max())) if finite.size else (0.0, 0.0)
+    lo, hi = value_range
+    x = a.astype(np.float64)
     x = np.nan_to_num((x - lo) * (255.0 / (hi - lo)) if hi > lo else np.zeros_like(x))
+    grey = np.clip(np.rint(x), 0, 255).astype(np.uint8)
   else:
-    x = x / 257.0
-  grey = np.clip(np.rint(x), 0, 255).astype(np.uint8)
+    wide = a.astype(np.int64 if img.mode == "I" else np.int32)  # room for the + 128
+    wide += 128
+    wide //= 257
+    grey = np.clip(wide, 0, 255).astype(np.uint8)
   key = img.info.get("transparency")
   if key is None or isinstance(key, (bytes, tuple)):
     return Image.fromarray(grey, mode="L")
@@ -93,19 +118,58 @@ def _to_8bit(img: Image.Image) -> Image.Image:
   return Image.fromarray(np.stack([grey, grey, grey, alpha], axis=-1), mode="RGBA")
 
 
-def to_rgb(img: Image.Image) -> Image.Image:
-  """Upstream's pil_img2rgb: composite RGBA / transparency-keyed images on white, else convert.
-
-  LA keeps upstream's behaviour: alpha is dropped, not composited. High bit depth
-  grey modes are first scaled to 8 bit (see _to_8bit).
-  """
+def _piece_to_rgb(img: Image.Image, value_range: tuple[float, float] | None) -> Image.Image:
   if _is_high_bit(img.mode):
-    img = _to_8bit(img)
+    img = _to_8bit(img, value_range)
   if img.mode == "RGBA" or "transparency" in img.info:
     rgba = img.convert("RGBA")
     white = Image.new("RGBA", rgba.size, (255, 255, 255, 255))
     return Image.alpha_composite(white, rgba).convert("RGB")
   return img.convert("RGB")
+
+
+def _by_strips(img: Image.Image, mode: str, convert) -> Image.Image:
+  """`convert` (a per-pixel conversion to `mode`) applied strip by strip into one new image.
+
+  Every step is per pixel, so the result is the same as converting the whole image;
+  the memory is the result plus one strip's temporaries, never whole-image copies.
+  """
+  if img.width * img.height <= _STRIP_PIXELS:
+    return convert(img)
+  out = Image.new(mode, img.size)
+  for top, strip in _strips(img):
+    out.paste(convert(strip), (0, top))
+  return out
+
+
+def to_rgb(img: Image.Image) -> Image.Image:
+  """Upstream's pil_img2rgb: composite RGBA / transparency-keyed images on white, else convert.
+
+  LA keeps upstream's behaviour: alpha is dropped, not composited. High bit depth
+  grey modes are first scaled to 8 bit (see _to_8bit). An RGB image is returned
+  as it is; any other is converted strip by strip (see _by_strips).
+  """
+  if img.mode == "RGB" and "transparency" not in img.info:
+    return img
+  value_range = _float_range(img) if img.mode == "F" else None
+  return _by_strips(img, "RGB", lambda piece: _piece_to_rgb(piece, value_range))
+
+
+def _grey_or_rgb(img: Image.Image) -> Image.Image:
+  """`to_rgb(img)`, or its single grey channel (L) when its three channels would be equal.
+
+  A grey image stays one byte per pixel until it is resized; resizing L and then
+  replicating the channel gives the same pixels as resizing the replicated RGB
+  (Pillow resamples each channel alike).
+  """
+  grey = img.mode in ("1", "L", "LA") or _is_high_bit(img.mode)
+  if not grey or "transparency" in img.info:
+    return to_rgb(img)
+  if img.mode == "L":
+    return img
+  value_range = _float_range(img) if img.mode == "F" else None
+  return _by_strips(img, "L", lambda piece: (_to_8bit(piece, value_range)
+                                             if _is_high_bit(piece.mode) else piece.convert("L")))
 
 
 def enable_truncated_images() -> None:
@@ -175,14 +239,17 @@ def decode_resized(data: bytes, targets: Sequence[tuple[ImageTransform, int]], *
     if jpeg_draft and img.format == "JPEG":
       img.draft(None, (max(w for w, _ in sizes), max(h for _, h in sizes)))
     img.load()
-    rgb = to_rgb(img)
-  return [resize_to(rgb, size) for size in sizes]
+    pixels = _grey_or_rgb(img)
+  del img  # the decoded image, when converted, is not kept while resizing
+  return [resize_to(pixels, size) for size in sizes]
 
 
 def resize_to(img: Image.Image, size: tuple[int, int]) -> np.ndarray:
-  """PIL bicubic resize of an RGB image to `size` (w, h); uint8 HWC contiguous array."""
+  """PIL bicubic resize of an RGB (or grey L) image to `size` (w, h); uint8 HWC RGB array."""
   if size != img.size:  # Pillow's same-size resize is a plain copy: skipping is identical.
     img = img.resize(size, Image.BICUBIC)
+  if img.mode != "RGB":
+    img = img.convert("RGB")
   return np.ascontiguousarray(np.asarray(img, dtype=np.uint8))
 
 

@@ -88,14 +88,33 @@ def group_source(cfg: PipelineConfig, group: int, *, readers: int = 1) -> Concat
   """All records of a group, dataset after dataset; `readers`: the logical shards that
   read it at once (see `Family.source`)."""
   g = cfg.groups[group]
-  return ConcatSource([g.family.source(g, d, readers=readers) for d in g.datasets])
+  return ConcatSource([g.family.source(g, d, readers=readers,
+                                       row_group_cache_bytes=cfg.max_row_group_cache_bytes)
+                       for d in g.datasets])
+
+
+def _check_share(cfg: PipelineConfig, group: int, source: ConcatSource, shards: int) -> None:
+  """A group needs a record for each logical shard (rows are shared out when blocks are
+  few); else the error names the group, its datasets and their sizes."""
+  if source.num_blocks() >= shards or len(source) >= shards:
+    return
+  g = cfg.groups[group]
+  sizes = ", ".join(f"dataset {d.name!r} ({d.array_record_path or d.jsonl_path or d.data_dir}) "
+                    f"has {len(s)}" for d, s in zip(g.datasets, source.sources))
+  short = ("no records" if not len(source) else
+           f"{len(source)} records, fewer than the {shards} logical shards that share it (one "
+           "per process unless `logical_shards` is set)")
+  raise DatasetError(f"group {g.name!r} has {short} ({sizes}); fill or remove its datasets",
+                     file=g.datasets[0].jsonl_path or g.datasets[0].data_dir,
+                     field="dataset_names")
 
 
 def family_transform(cfg: PipelineConfig, group: int, tokenizer) -> FamilyTransform:
   """The group's family transform (Record -> Sample | Dropped)."""
   g = cfg.groups[group]
   common = dict(group=group, tokenizer=tokenizer, max_decode_pixels=cfg.max_decode_pixels,
-                jpeg_draft=cfg.jpeg_draft)
+                max_text_chars=cfg.max_num_tokens_per_sample * tokenizer.longest_token_chars,
+                max_image_bytes=cfg.max_image_bytes, jpeg_draft=cfg.jpeg_draft)
   return g.family.make_transform(g, **common)
 
 
@@ -105,9 +124,10 @@ def group_records(cfg: PipelineConfig, group: int, *, seed: int, shard: int = 0,
 
   `source` (default: the group's) may be shared by the shards of a process.
   """
+  source = group_source(cfg, group) if source is None else source
+  _check_share(cfg, group, source, shard_count)
   try:
-    return ShuffledRecords(group_source(cfg, group) if source is None else source,
-                           seed=group_seed(seed, group), shard_index=shard,
+    return ShuffledRecords(source, seed=group_seed(seed, group), shard_index=shard,
                            shard_count=shard_count, num_epochs=cfg.num_epochs)
   except DatasetError as e:
     raise DatasetError(f"group {cfg.groups[group].name!r}: {e}") from e
@@ -128,7 +148,9 @@ def prepared_samples(cfg: PipelineConfig, group: int, tokenizer, records: Shuffl
   family.read_ahead = readahead.ReadAhead(threads=max(1, readahead.THREADS // readers),
                                           max_bytes=readahead.MAX_BYTES // readers)
   ahead = readahead.ReadAheadRecords(records, files_of=family.files_ahead,
-                                     read_file=fs.read_bytes, ahead=family.read_ahead,
+                                     read_file=functools.partial(fs.read_file,
+                                                                 max_bytes=cfg.max_image_bytes),
+                                     ahead=family.read_ahead,
                                      depth=max(2, readahead.DEPTH // readers))
   return ahead.random_map(family, seed=family_seed(seed, group, key_shard)).map(prepare)
 
@@ -203,10 +225,11 @@ def build_pipeline(cfg: PipelineConfig, tokenizer, *, seed: int | None = None,
   drops = DropPolicy(max_num_tokens_per_sample=cfg.max_num_tokens_per_sample, capacities=caps,
                      max_consecutive_drops=cfg.max_consecutive_drops,
                      bad_record_window=cfg.bad_record_window, max_bad_ratio=cfg.max_bad_ratio)
-  shards = {}
+  shards, described = {}, []
   for s in served:
     records = [group_records(cfg, g, seed=order_seed, shard=s, shard_count=count,
                              source=sources[g]) for g in range(len(cfg.groups))]
+    described += [(s, r) for r in records]  # in the fetcher's order of the groups
     groups = [prepared_samples(cfg, g, tokenizer, records[g], seed=seed, shard=s,
                                readers=len(served)) for g in range(len(cfg.groups))]
     shards[s] = ShardMix(groups, MixSpec(
@@ -221,10 +244,22 @@ def build_pipeline(cfg: PipelineConfig, tokenizer, *, seed: int | None = None,
                        prefer_buffer_before=cfg.prefer_buffer_before,
                        max_buffer_size=cfg.max_buffer_size, capacities=caps),
       shard_count=count,
-      fetcher=functools.partial(Fetcher, workers=workers, depths=depths * len(served)))
+      fetcher=functools.partial(Fetcher, workers=workers, depths=depths * len(served),
+                                timeout_s=cfg.element_timeout_s,
+                                describe=functools.partial(_describe, cfg, described,
+                                                           len(served) > 1)))
   return BatchDataset(rows, batch_size=cfg.batch_size if batch_size is None else batch_size,
                       capacities=caps, fingerprint=fingerprint(cfg, tokenizer, seed=seed,
                                                                shard_count=count))
+
+
+def _describe(cfg: PipelineConfig, described: list[tuple[int, ShuffledRecords]],
+              name_shard: bool, group: int, index: int) -> str:
+  """An element of the fetcher's `group` as errors name it: group, index and record."""
+  shard, records = described[group]
+  where = f" of logical shard {shard}" if name_shard else ""
+  return (f"group {cfg.groups[group % len(cfg.groups)].name!r}{where} element {index} "
+          f"(record {records.record_id(index)})")
 
 
 def pipeline_stats(iterator: BatchIterator) -> dict[str, Any]:

@@ -117,6 +117,7 @@ class Tokenizer:
     # Only kept when there is no Rust backend to call directly.
     self._hf = hf if backend is None else None
     self._fingerprint: str | None = None
+    self._longest: int | None = None
     missing = [t for t in BAGEL_TOKENS if self._token_id(t) is None]
     if missing:
       if backend is not None:
@@ -142,6 +143,19 @@ class Tokenizer:
     if self._backend is not None:
       return self._backend.get_vocab_size(with_added_tokens=True)
     return len(self._hf)
+
+  @property
+  def longest_token_chars(self) -> int:
+    """The most characters one token covers: its vocabulary's longest token string.
+
+    Byte-level BPE (Qwen2) spells each byte as one character and SentencePiece each
+    character as one, so no token covers more characters of text than its string has.
+    """
+    if self._longest is None:
+      vocab = (self._backend.get_vocab(with_added_tokens=True) if self._backend is not None
+               else self._hf.get_vocab())
+      self._longest = max(len(token) for token in vocab)
+    return self._longest
 
   def encode(self, text: str) -> np.ndarray:
     if self._backend is not None:

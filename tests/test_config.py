@@ -5,12 +5,14 @@ import re
 import shutil
 from pathlib import Path
 
+import pyarrow.parquet as pq
 import pytest
 import yaml
 
 from bagel_grain.config import config_from_dict, load_config
-from bagel_grain.configs import shipped_path
-from bagel_grain.errors import ConfigError
+from bagel_grain.configs import load_shipped, shipped_path
+from bagel_grain.errors import ConfigError, DatasetError
+from bagel_grain.pipeline import build_pipeline
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 UPSTREAM_MAX_PIXELS = 14 * 14 * 9 * 1024
@@ -176,6 +178,42 @@ ERRORS = {
                            _where("t2i_pretrain", "num_used_data")),
   "unknown_dataset_name": (f"{T2I}.dataset_names", ["demo_t2i", "laion"],
                            "'laion' is not in `dataset_info`.*" + _where("t2i_pretrain", "laion")),
+  # Ranges: every numeric field is checked when the file loads, not when it is first used.
+  "expected_tokens_zero": ("expected_num_tokens", 0,
+                           "must be >= 1, got 0.*" + _where(None, "expected_num_tokens")),
+  "expected_tokens_negative": ("expected_num_tokens", -5, _where(None, "expected_num_tokens")),
+  "per_sample_negative": ("max_num_tokens_per_sample", -1,
+                          _where(None, "max_num_tokens_per_sample")),
+  "buffer_size_negative": ("max_buffer_size", -1,
+                           "must be >= 0.*" + _where(None, "max_buffer_size")),
+  "prefer_buffer_negative": ("prefer_buffer_before", -100, _where(None, "prefer_buffer_before")),
+  "dropout_over_one": ("text_cond_dropout_prob", 5,
+                       "between 0 and 1, got 5.0.*" + _where(None, "text_cond_dropout_prob")),
+  "workers_negative": ("num_workers", -1, _where(None, "num_workers")),
+  "bad_ratio_negative": ("max_bad_ratio", -1, _where(None, "max_bad_ratio")),
+  "epochs_negative": ("num_epochs", -2, _where(None, "num_epochs")),
+  "epochs_zero": ("num_epochs", 0, _where(None, "num_epochs")),
+  "seed_negative": ("data_seed", -1, _where(None, "data_seed")),
+  "timeout_zero": ("element_timeout_s", 0, _where(None, "element_timeout_s")),
+  "timeout_nan": ("element_timeout_s", float("nan"), _where(None, "element_timeout_s")),
+  "image_bytes_zero": ("max_image_bytes", 0, _where(None, "max_image_bytes")),
+  "drops_zero": ("max_consecutive_drops", 0, _where(None, "max_consecutive_drops")),
+  "nemo_key_out_of_range": ("dataset", {"max_buffer_size": -1},
+                            _where(None, "dataset.max_buffer_size")),
+  "shuffle_seed_negative": (f"{VLM}.shuffle_seed", -1, _where("vlm_sft", "shuffle_seed")),
+  "num_used_data_negative": (f"{T2I}.num_used_data", [-3], _where("t2i_pretrain", "num_used_data")),
+  "num_used_data_zero": (f"{VLM}.num_used_data", [0], _where("vlm_sft", "num_used_data")),
+  "min_over_max_image_size": (f"{T2I}.image_transform_args.min_image_size", 600,
+                              "min_image_size 600 exceeds max_image_size 512.*"
+                              + _where("t2i_pretrain", "image_transform_args")),
+  "stride_zero": (f"{EDIT}.vit_image_transform_args.image_stride", 0,
+                  _where("unified_edit", "vit_image_transform_args.image_stride")),
+  "data_dir_is_a_file": ("dataset_info.vlm_sft.demo_vlm.data_dir", "vlm/sft.jsonl",
+                         "is a file; `data_dir` must name a folder.*"
+                         + _where("vlm_sft", "demo_vlm.data_dir")),
+  "jsonl_path_is_a_folder": ("dataset_info.vlm_sft.demo_vlm.jsonl_path", "vlm",
+                             "is a folder; `jsonl_path` must name a file.*"
+                             + _where("vlm_sft", "demo_vlm.jsonl_path")),
 }
 
 
@@ -185,6 +223,21 @@ def test_config_errors_name_the_key_and_group(root, dotted, value, match):
   _set(raw, dotted, value)
   with pytest.raises(ConfigError, match=match):
     config_from_dict(raw, file="main.yaml", base_dir=str(root))
+
+
+def test_range_errors_name_the_file(root):
+  raw = minimal()
+  raw["num_workers"] = -1
+  with pytest.raises(ConfigError, match=re.escape("(file 'main.yaml', key 'num_workers')")):
+    config_from_dict(raw, file="main.yaml", base_dir=str(root))
+
+
+def test_overrides_are_range_checked_too(tmp_path, demo_dir):
+  (tmp_path / "configs").mkdir()
+  shutil.copy(CONFIGS / "example.yaml", tmp_path / "configs" / "example.yaml")
+  (tmp_path / ".demo_data").symlink_to(demo_dir, target_is_directory=True)
+  with pytest.raises(ConfigError, match=_where(None, "num_epochs")):
+    load_config(tmp_path / "configs" / "example.yaml", num_epochs=0)
 
 
 def test_geometry_limits_are_inclusive(root):
@@ -256,3 +309,33 @@ def test_weight_must_be_finite_and_non_negative(demo_dir, weight):
   raw["grouped_datasets"]["vlm_sft"]["weight"] = weight
   with pytest.raises(ConfigError, match=r"finite.*group 'vlm_sft', key 'weight'"):
     config_from_dict(raw, file="w.yaml", base_dir=str(CONFIGS))
+
+
+# --- groups without records (found when the sources are opened) -------------------------
+
+
+def _demo_copy(demo_dir, tmp_path):
+  shutil.copytree(demo_dir, tmp_path / "demo")
+  return tmp_path / "demo"
+
+
+def test_empty_jsonl_names_the_group_and_file(demo_dir, demo_tokenizer, tmp_path):
+  demo = _demo_copy(demo_dir, tmp_path)
+  (demo / "vlm" / "sft.jsonl").write_text("")
+  with pytest.raises(DatasetError, match=r"group 'vlm_sft' has no records \(dataset 'demo_vlm' "
+                     r".*sft\.jsonl\) has 0\).*file '.*sft\.jsonl'"):
+    build_pipeline(load_shipped("demo", demo), demo_tokenizer)
+
+
+def test_empty_parquet_names_the_group_and_folder(demo_dir, demo_tokenizer, tmp_path):
+  demo = _demo_copy(demo_dir, tmp_path)
+  for path in (demo / "t2i").glob("*.parquet"):
+    pq.write_table(pq.read_table(path).slice(0, 0), path)
+  with pytest.raises(DatasetError, match=r"group 't2i_pretrain' has no records.*has 0"):
+    build_pipeline(load_shipped("demo", demo), demo_tokenizer)
+
+
+def test_fewer_records_than_processes_names_the_group(demo_config, demo_tokenizer):
+  with pytest.raises(DatasetError, match=r"group 't2i_pretrain' has 76 records, fewer than the "
+                     r"100 processes that share it"):
+    build_pipeline(demo_config, demo_tokenizer, process_index=0, process_count=100)

@@ -6,16 +6,15 @@ import time
 
 import numpy as np
 import pytest
-import yaml
 
 from bagel_grain import fs
 from bagel_grain.config import config_from_dict
-from bagel_grain.configs import shipped_path
 from bagel_grain.latency_proxy import LatencyProxy
 from bagel_grain.pipeline import build_pipeline
 from bagel_grain.storage_servers import LocalObjectStore
 from bagel_grain.tokenizer import load_tokenizer
 from conftest import CONFIGS
+from shipped_demo import shipped_demo_raw
 
 BATCHES = 4
 
@@ -29,16 +28,8 @@ def bucket(request, demo_dir):
 
 def _remote_config(root: str, demo_dir):
   """The shipped demo.yaml with every path a URI under `root`."""
-  raw = yaml.safe_load(shipped_path("demo").read_text())
-  info = yaml.safe_load((demo_dir / "dataset_info.yaml").read_text())
-  for datasets in info.values():
-    for entry in datasets.values():
-      for key in ("data_dir", "jsonl_path", "parquet_info_path"):
-        if key in entry:
-          entry[key] = f"{root}/{entry[key]}"
-  raw["dataset_info"] = info
-  raw["tokenizer_path"] = f"{root}/tokenizer"
-  return config_from_dict(raw, file="remote.yaml", base_dir=str(CONFIGS))
+  return config_from_dict(shipped_demo_raw(demo_dir, root), file="remote.yaml",
+                          base_dir=str(CONFIGS))
 
 
 def _batches(cfg, tokenizer, workers: int) -> list[dict]:

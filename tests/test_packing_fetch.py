@@ -1,14 +1,35 @@
 """The fetcher: elements by (group, index), the same from worker processes as inline.
 
-Runs its worker processes under a deadline (signal.alarm): a hang fails the test.
+Runs its worker processes under a deadline (signal.alarm): a hang fails the test. The
+scenarios that involve a user's script (start-up, signals, fork, exit) run it as a real
+script file in a child process of its own session (spawned workers re-import it, signals
+go to its group), under a timeout; whatever it leaves running is killed by pid before
+the assertions.
 """
+
+import contextlib
+import dataclasses
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import types
+from pathlib import Path
 
 import numpy as np
 import psutil
 import pytest
 
+from bagel_grain.families.files import DiskFiles
 from bagel_grain.packing.fetch import Fetcher, WorkerError
+from bagel_grain.pipeline import build_pipeline
 from deadline import deadline
+from slow_elements import StallsInWorkers
 
 
 class Squares:
@@ -60,3 +81,244 @@ def test_workers_give_the_same_elements_in_any_order_then_fail_clearly_and_leave
       fetcher.close()
       fetcher.close()
     assert not psutil.wait_procs(workers_alive(), timeout=5)[1]
+
+
+# --- misuse: start-up, signals, fork, exit, stalls ---------------------------------------
+
+PRELUDE = textwrap.dedent("""
+    import json, os, signal, sys, time
+    import psutil
+    from bagel_grain.configs import load_shipped
+    from bagel_grain.packing.fetch import WorkerError
+    from bagel_grain.pipeline import build_pipeline
+    from bagel_grain.tokenizer import load_tokenizer
+
+    def demo_iterator(workers):
+      demo = sys.argv[1]
+      tokenizer = load_tokenizer(demo + "/tokenizer/tokenizer.json")
+      return iter(build_pipeline(load_shipped("demo", demo), tokenizer, batch_size=1,
+                                 workers=workers))
+
+    def workers_of(me):
+      # the pool's workers, not multiprocessing's resource tracker
+      return [p for p in me.children() if "resource_tracker" not in " ".join(p.cmdline())]
+
+    def running(batches):
+      # an iterator with two workers that gave `batches` batches, and its workers
+      it = demo_iterator(workers=2)
+      for _ in range(batches):
+        next(it)
+      return it, workers_of(psutil.Process())
+
+    def alive(processes):
+      return [p.pid for p in processes if p.is_running() and p.status() != "zombie"]
+
+    def say(**out):
+      print(json.dumps(out), flush=True)
+""")
+
+
+def run_script(tmp_path: Path, body: str, demo_dir: Path, *, timeout: float = 180,
+               signal_after_first_line: int | None = None, to_group: bool = False):
+  """Runs PRELUDE + body as a script file; returns (its JSON lines, stderr, leftover pids).
+
+  With `signal_after_first_line`, that signal goes to the script (or its whole
+  process group) once it has printed its first line.
+  """
+  script = tmp_path / "user_script.py"
+  script.write_text(PRELUDE + textwrap.dedent(body))
+  child = subprocess.Popen([sys.executable, str(script), str(demo_dir)],
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                           start_new_session=True, cwd=tmp_path)
+  family = []
+  try:
+    if signal_after_first_line is not None:
+      first = child.stdout.readline()
+      with contextlib.suppress(psutil.Error):
+        family = psutil.Process(child.pid).children(recursive=True)
+      (os.killpg if to_group else os.kill)(child.pid, signal_after_first_line)
+    else:
+      first = ""
+    stdout, stderr = child.communicate(timeout=timeout)
+    stdout = first + stdout
+  except subprocess.TimeoutExpired:
+    with contextlib.suppress(psutil.Error):
+      family += psutil.Process(child.pid).children(recursive=True)
+    child.kill()
+    stdout, stderr = child.communicate()
+    stdout += '\n{"failure": "the script hung"}'
+  lines = [json.loads(line) for line in stdout.splitlines() if line.startswith("{")]
+  pids = {pid for line in lines for pid in line.get("workers", [])}
+  family += [psutil.Process(pid) for pid in pids if psutil.pid_exists(pid)]
+  _, alive = psutil.wait_procs(family, timeout=10)
+  leftovers = []
+  for p in alive:
+    with contextlib.suppress(psutil.Error):
+      if p.status() != psutil.STATUS_ZOMBIE:
+        leftovers.append(p.pid)
+        p.kill()
+  return lines, stderr, leftovers
+
+
+@pytest.fixture(scope="module")
+def padded_demo(demo_dir, tmp_path_factory):
+  """The demo data with a 24,000-line VLM file: its datasets pickle to far more than a pipe holds."""
+  out = tmp_path_factory.mktemp("padded") / "demo"
+  shutil.copytree(demo_dir, out)
+  jsonl = out / "vlm" / "sft.jsonl"
+  jsonl.write_text(jsonl.read_text() * 400)
+  return out
+
+
+def test_script_without_main_guard_fails_fast_and_names_the_guard(tmp_path, padded_demo):
+  lines, stderr, leftovers = run_script(tmp_path, """
+      it = demo_iterator(workers=2)
+      try:
+        while True:
+          next(it)
+      except Exception as e:
+        say(error=type(e).__name__, message=str(e))
+      it.close()
+  """, padded_demo)
+  assert lines and lines[-1].get("error") == "WorkerError", (lines, stderr[-3000:])
+  assert 'if __name__ == "__main__":' in lines[-1]["message"]
+  assert leftovers == []
+
+
+def test_workers_ignore_ctrl_c_sent_to_the_process_group(tmp_path, demo_dir):
+  lines, stderr, leftovers = run_script(tmp_path, """
+      def main():
+        it, workers = running(2)
+        try:  # the signal may come as soon as the line is out
+          say(workers=[p.pid for p in workers])
+          time.sleep(120)
+        except KeyboardInterrupt:
+          pass
+        for _ in range(8):
+          next(it)
+        say(batches=8, alive=alive(workers))
+        it.close()
+
+      if __name__ == "__main__":
+        main()
+  """, demo_dir, signal_after_first_line=signal.SIGINT, to_group=True)
+  assert len(lines) == 2, (lines, stderr[-3000:])
+  assert sorted(lines[1]["alive"]) == sorted(lines[0]["workers"]) and len(lines[0]["workers"]) == 2
+  assert "KeyboardInterrupt" not in stderr and leftovers == []
+
+
+def test_sigterm_to_the_main_process_ends_the_workers_quietly(tmp_path, demo_dir):
+  lines, stderr, leftovers = run_script(tmp_path, """
+      def main():
+        it, workers = running(1)
+        say(workers=[p.pid for p in workers])
+        while True:
+          next(it)
+
+      if __name__ == "__main__":
+        main()
+  """, demo_dir, signal_after_first_line=signal.SIGTERM)
+  assert len(lines[0]["workers"]) == 2, (lines, stderr[-3000:])
+  assert "Traceback" not in stderr and "Error" not in stderr, stderr[-3000:]
+  assert leftovers == []
+
+
+def test_exit_without_close_is_quiet_and_leaves_no_worker(tmp_path, demo_dir):
+  lines, stderr, leftovers = run_script(tmp_path, """
+      if __name__ == "__main__":
+        it, workers = running(3)  # a global: still alive when the interpreter shuts down
+        say(workers=[p.pid for p in workers])
+  """, demo_dir)
+  assert len(lines) == 1 and len(lines[0]["workers"]) == 2, (lines, stderr[-3000:])
+  assert "Traceback" not in stderr and "Exception ignored" not in stderr, stderr[-3000:]
+  assert leftovers == []
+
+
+def test_forked_child_gets_a_clear_error_and_its_exit_spares_the_parents_workers(tmp_path,
+                                                                                 demo_dir):
+  lines, stderr, leftovers = run_script(tmp_path, """
+      def main():
+        it, workers = running(3)
+        read_end, write_end = os.pipe()
+        sys.stdout.flush()
+        pid = os.fork()
+        if pid == 0:  # the child: uses the inherited iterator, then exits normally
+          signal.alarm(20)
+          try:
+            next(it)
+            said = "a batch"
+          except WorkerError as e:
+            said = "WorkerError: " + str(e)
+          except BaseException as e:
+            said = type(e).__name__
+          os.write(write_end, said.encode())
+          sys.exit(0)
+        os.close(write_end)
+        child_said = os.read(read_end, 100000).decode()
+        os.waitpid(pid, 0)
+        for _ in range(8):
+          next(it)
+        say(child=child_said, workers=[p.pid for p in workers], alive=alive(workers))
+        it.close()
+
+      if __name__ == "__main__":
+        main()
+  """, demo_dir)
+  assert len(lines) == 1, (lines, stderr[-3000:])
+  assert lines[0]["child"].startswith("WorkerError") and "fork" in lines[0]["child"]
+  assert sorted(lines[0]["alive"]) == sorted(lines[0]["workers"]) and len(lines[0]["workers"]) == 2
+  assert leftovers == []
+
+
+def test_unpicklable_dataset_is_refused_before_any_worker_starts():
+  with pytest.raises(WorkerError, match="cannot be sent to worker processes"):
+    Fetcher([[lambda: 1]], workers=1, depths=[0])
+
+
+def test_dataset_that_does_not_load_in_a_worker_is_a_worker_error_with_its_traceback():
+  module = types.ModuleType("bagel_grain_test_only_in_this_process")
+  exec("class Elements(list):\n  pass", module.__dict__)  # pylint: disable=exec-used
+  sys.modules[module.__name__] = module
+  try:
+    with deadline(120), pytest.raises(WorkerError) as failure:
+      fetcher = Fetcher([module.Elements(range(10**6))], workers=1, depths=[2])
+      try:
+        for i in range(10**6):
+          fetcher.get(0, i)
+      finally:
+        fetcher.close()
+  finally:
+    del sys.modules[module.__name__]
+  assert "could not load the pipeline's datasets" in str(failure.value)
+  assert "ModuleNotFoundError" in str(failure.value)
+
+
+def test_element_stalled_in_a_worker_is_an_error_naming_it():
+  # Elements are slow enough in this process for the worker to start and take some.
+  with deadline(120), pytest.raises(WorkerError) as failure:
+    fetcher = Fetcher([StallsInWorkers(10**6, parent_delay_s=0.01)], workers=1, depths=[3],
+                      timeout_s=1, describe=lambda g, i: f"group 'g{g}' element {i} (record r{i})")
+    try:
+      for i in range(10**6):
+        fetcher.get(0, i)
+    finally:
+      fetcher.close()
+  message = str(failure.value)
+  assert re.search(r"group 'g0' element (\d+) \(record r\1\) took longer than "
+                   r"element_timeout_s = 1 s in worker process \d+", message), message
+
+
+def test_stalled_read_in_the_main_process_is_an_error_naming_group_index_and_record(
+    demo_config, demo_tokenizer, monkeypatch):
+  cfg = dataclasses.replace(demo_config, element_timeout_s=1)
+  release = threading.Event()
+  monkeypatch.setattr(DiskFiles, "read", lambda self, path: release.wait())
+  it = iter(build_pipeline(cfg, demo_tokenizer, batch_size=1, workers=0))
+  try:
+    with deadline(60), pytest.raises(WorkerError) as failure:
+      next(it)
+  finally:
+    release.set()
+    it.close()
+  assert re.search(r"group 'vlm_sft' element \d+ \(record .*sft\.jsonl:\d+\) took longer than "
+                   r"element_timeout_s = 1 s in this process", str(failure.value)), failure.value

@@ -9,7 +9,7 @@ import grain
 import numpy as np
 
 from bagel_grain.drops import Drop, Dropped, DropReason, require
-from bagel_grain.images import ImageTransform, decode_resized
+from bagel_grain.images import DEFAULT_MAX_IMAGE_BYTES, ImageTransform, decode_resized
 from bagel_grain.sample import Sample, SampleKey
 from bagel_grain.sources.records import Record
 
@@ -35,10 +35,13 @@ class FamilyTransform(grain.transforms.RandomMap, abc.ABC):
   """
 
   def __init__(self, *, group: int, tokenizer, max_decode_pixels: int,
+               max_text_chars: int | None = None, max_image_bytes: int = DEFAULT_MAX_IMAGE_BYTES,
                jpeg_draft: bool = False):
     self.group = group
     self.tokenizer = tokenizer
     self.max_decode_pixels = max_decode_pixels
+    self.max_text_chars = max_text_chars
+    self.max_image_bytes = max_image_bytes
     self.jpeg_draft = jpeg_draft
 
   @abc.abstractmethod
@@ -74,5 +77,22 @@ class FamilyTransform(grain.transforms.RandomMap, abc.ABC):
     """Upstream's token estimate for a resized image."""
     return pixels.shape[0] * pixels.shape[1] // stride**2
 
+  def check_text_length(self, texts: Sequence[str]) -> None:
+    """Drop (text_too_long) texts that cannot fit a sample, before any tokenizing.
+
+    A token covers at most `tokenizer.longest_token_chars` characters, so more than
+    `max_text_chars` (that times `max_num_tokens_per_sample`) are more tokens than a
+    sample may hold: such a record is dropped at once instead of tokenizing megabytes.
+    """
+    chars = sum(len(t) for t in texts)
+    require(self.max_text_chars is None or chars <= self.max_text_chars,
+            DropReason.TEXT_TOO_LONG,
+            f"{chars} characters of text; at most {self.max_text_chars} can fit a sample")
+
+  def tokenize(self, texts: Sequence[str]) -> list[np.ndarray]:
+    """Token ids of each text (int32), after `check_text_length`."""
+    self.check_text_length(texts)
+    return self.tokenizer.encode_batch(texts)
+
   def encode(self, text: str) -> np.ndarray:
-    return self.tokenizer.encode(text)
+    return self.tokenize([text])[0]

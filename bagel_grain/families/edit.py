@@ -78,6 +78,7 @@ class EditTransform(FamilyTransform):
           plan.append(VAE_LOSS)
           sources.append(("vae", i))
 
+    self.check_text_length(texts)
     kinds: dict[int, list[str]] = {}  # image -> the transforms it needs; decoded once
     for kind, i in sources:
       if kind not in kinds.setdefault(i, []):
@@ -88,7 +89,7 @@ class EditTransform(FamilyTransform):
       for k, pixels in zip(needed, self.load(images[i], [(t, 1) for t in transforms])):
         resized[(k, i)] = pixels
     pixels = tuple(resized[s] for s in sources)
-    ids = tuple(self.tokenizer.encode_batch(texts))
+    ids = tuple(self.tokenize(texts))
     num_tokens = sum(len(t) for t in ids) + sum(
         self.image_tokens(p, self.vae_transform.image_stride if kind == "vae"
                           else self.vit_transform.image_stride)
@@ -102,4 +103,5 @@ FAMILY = Family(
     image_roles={"vae": "image_transform", "vit": "vit_image_transform"},
     columns=COLUMNS,
     drop_reasons=RECORD_REASONS | IMAGE_REASONS | {DropReason.WRONG_TYPE,
-                                                   DropReason.BAD_EDIT_LISTS})
+                                                   DropReason.BAD_EDIT_LISTS,
+                                                   DropReason.TEXT_TOO_LONG})

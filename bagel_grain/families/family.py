@@ -10,6 +10,7 @@ from bagel_grain.families.base import FamilyTransform
 from bagel_grain.sources.array_record import ArrayRecordSource, array_record_files
 from bagel_grain.sources.base import RecordSource
 from bagel_grain.sources.jsonl import JsonlLineSource
+from bagel_grain.sources.parquet import DEFAULT_CACHE_BYTES
 from bagel_grain.sources.parquet import dataset_source as parquet_dataset
 
 if TYPE_CHECKING:
@@ -51,7 +52,8 @@ class Family:
     return self.columns is None
 
   def source(self, group: GroupConfig, dataset: DatasetSpec, *,
-             readers: int = 1) -> RecordSource:
+             readers: int = 1,
+             row_group_cache_bytes: int = DEFAULT_CACHE_BYTES) -> RecordSource:
     """The records one dataset of a group contributes, in source order; `readers`: the
     logical shards reading it at once (parquet keeps a row group in hand for each)."""
     if dataset.array_record_path is not None:  # converted: records of any family
@@ -60,7 +62,8 @@ class Family:
       return JsonlLineSource(dataset.jsonl_path, num_used=dataset.num_used_data,
                              shuffle_lines=group.shuffle_lines, shuffle_seed=group.shuffle_seed)
     return parquet_dataset(dataset.data_dir, dataset.num_used_data, self.columns,
-                           dataset.parquet_info_path, readers=readers)
+                           dataset.parquet_info_path, readers=readers,
+                           cache_bytes=row_group_cache_bytes)
 
   def make_transform(self, config: GroupConfig, /, **common: Any) -> FamilyTransform:
     """The group's transform; `common` holds what every family takes (`group` its index)."""

@@ -17,6 +17,7 @@ from typing import IO, Any, Iterable, Protocol
 from bagel_grain import fs
 from bagel_grain.drops import Drop, DropReason, require
 from bagel_grain.families.base import is_text
+from bagel_grain.images import DEFAULT_MAX_IMAGE_BYTES
 from bagel_grain.sources.framing import LineWithFiles
 from bagel_grain.sources.readahead import ReadAhead
 
@@ -66,9 +67,11 @@ class DiskFiles:
   place for checks on what a file may be before it is read.
   """
 
-  def __init__(self, data_dir: str, ahead: ReadAhead | None = None):
+  def __init__(self, data_dir: str, ahead: ReadAhead | None = None,
+               max_image_bytes: int = DEFAULT_MAX_IMAGE_BYTES):
     self.data_dir = data_dir
     self.ahead = ahead  # files read ahead under ("file", path), see `sources.readahead`
+    self.max_image_bytes = max_image_bytes
 
   def locate(self, relative: Any) -> str:
     check_relative(relative)
@@ -85,10 +88,23 @@ class DiskFiles:
     return real + (os.sep if is_folder(relative) else "")
 
   def read(self, path: str) -> bytes:
+    """An image's or frame's bytes: only a regular file of at most `max_image_bytes`
+    (read ahead through `read_image`, or read now)."""
     if self.ahead is not None and (data := self.ahead.take(("file", path))) is not None:
       return data
+    return self._read(path, self.max_image_bytes)
+
+  def read_video(self, path: str) -> bytes:
+    """A whole video file's bytes (for the converter): any size, only a regular file."""
+    return self._read(path, None)
+
+  @staticmethod
+  def _read(path: str, max_bytes: int | None) -> bytes:
     try:
-      return fs.read_bytes(path)
+      return fs.read_file(path, max_bytes)
+    except fs.FileRefused as e:
+      reason = DropReason.FILE_TOO_LARGE if e.regular else DropReason.NOT_A_REGULAR_FILE
+      raise Drop(reason, str(e)) from None
     except OSError as e:
       raise Drop(DropReason.MISSING_FILE, str(e)) from None
 
@@ -106,7 +122,9 @@ class DiskFiles:
     return frames
 
   def open_video(self, path: str) -> str:
-    require(fs.exists(path), DropReason.MISSING_FILE, path)
+    kind = fs.kind(path)  # only a regular file is opened: opening a FIFO would wait forever
+    require(kind != "missing", DropReason.MISSING_FILE, path)
+    require(kind == "file", DropReason.NOT_A_REGULAR_FILE, f"{path} is a {kind}")
     return path  # PyAV opens the path itself
 
 

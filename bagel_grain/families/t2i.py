@@ -47,6 +47,7 @@ class T2ITransform(FamilyTransform):
       caption = captions[int(rng.integers(len(captions)))]
     else:
       caption, notes = " ", ("empty_caption",)  # upstream: an unconditional sample
+    self.check_text_length([caption])
     [pixels] = self.load(fields.get("image"), [(self.vae_transform, 1)])
     ids = self.encode(caption)
     num_tokens = len(ids) + self.image_tokens(pixels, self.vae_transform.image_stride)
@@ -59,4 +60,5 @@ FAMILY = Family(
     image_roles={"vae": "image_transform"},
     columns=COLUMNS,
     drop_reasons=RECORD_REASONS | IMAGE_REASONS | {DropReason.WRONG_TYPE,
-                                                   DropReason.BAD_CAPTION})
+                                                   DropReason.BAD_CAPTION,
+                                                   DropReason.TEXT_TOO_LONG})

@@ -87,7 +87,8 @@ class VLMTransform(FamilyTransform):
   def _line_and_files(self, record: Record) -> tuple[bytes, FileStore]:
     if isinstance(record.fields, LineWithFiles):  # a converted record: its files travel with it
       return record.fields.line, EmbeddedFiles(record.fields)
-    return record.fields, DiskFiles(self.data_dirs[record.dataset], self.read_ahead)
+    return record.fields, DiskFiles(self.data_dirs[record.dataset], self.read_ahead,
+                                    self.max_image_bytes)
 
   def files_ahead(self, record: Record) -> list[str]:
     """The image files a line lists (frames and videos are read when parsed)."""
@@ -136,6 +137,7 @@ class VLMTransform(FamilyTransform):
           else t for t in conversations]
     plan, texts = plan_turns(conversations, len(images))
     require(any(item.loss for item in plan), DropReason.NO_LOSS_ITEM)
+    self.check_text_length(texts)
     used = sum(item.type == "vit_image" for item in plan)
     notes = ("unused_images",) if used < len(images) else ()
     pixels = []
@@ -145,7 +147,7 @@ class VLMTransform(FamilyTransform):
         pixels.extend(self.load(files.read(image), target))
       else:  # a frame decoded from a video file
         pixels.append(resize_image(image, self.vit_transform, len(images)))
-    text_ids = tuple(self.tokenizer.encode_batch(texts))
+    text_ids = tuple(self.tokenize(texts))
     num_tokens = sum(len(t) for t in text_ids) + sum(
         self.image_tokens(p, self.vit_transform.image_stride) for p in pixels)
     return Sample(tuple(plan), text_ids, tuple(pixels), num_tokens, self.key(record), notes)
@@ -173,8 +175,9 @@ class _Embedding:
     if path is not None and relative not in self.files:
       try:
         self.files[relative] = self.disk.read(path)
-      except Drop:
-        pass  # absent: `missing_file` when (and only when) the family opens it
+      except Drop as e:  # absent: `missing_file` when (and only when) the family opens it
+        if e.reason != DropReason.MISSING_FILE:
+          self.errors[relative] = e.reason  # refused unread (too large, not a regular file)
 
   def video(self, relative: Any) -> None:
     path = self.locate(relative)
@@ -196,10 +199,12 @@ class _Embedding:
       return
     try:
       self.disk.open_video(path)
-    except Drop:
-      return  # absent, as on disk
+    except Drop as e:
+      if e.reason != DropReason.MISSING_FILE:  # else absent, as on disk
+        self.errors[relative] = e.reason
+      return
     try:
-      self.files[relative] = self.disk.read(path)
+      self.files[relative] = self.disk.read_video(path)
     except Drop:
       self.errors[relative] = DropReason.VIDEO_UNREADABLE  # PyAV could not open it either
 
@@ -237,4 +242,4 @@ FAMILY = Family(
     embed_files=embed_files,
     drop_reasons=RECORD_REASONS | IMAGE_REASONS | FILE_REASONS | {
         DropReason.BAD_JSON, DropReason.WRONG_TYPE, DropReason.BAD_TURN,
-        DropReason.NO_LOSS_ITEM})
+        DropReason.NO_LOSS_ITEM, DropReason.TEXT_TOO_LONG})

@@ -7,36 +7,62 @@ the element the packer needs has not been handed to a worker yet (workers still
 starting, or all busy), the main process computes it itself instead of waiting:
 the first batch does not wait for worker start-up.
 
+The main thread never waits without a deadline. Elements the main process computes
+run on one helper thread (the inline thread), so a read that stalls, or a worker
+that stops answering, becomes an error after `element_timeout_s` naming the group,
+index and record; a Ctrl-C while waiting leaves the element to finish in the
+background, ready for the next call.
+
 A thread of the main process (the pump) hands jobs to the workers and drains their
 results as soon as they are sent, so a worker never waits on a busy packer. Each
-worker has a pipe of its own (not a shared result queue): a worker that dies,
-even halfway through sending a result, closes the only writer of its pipe, so the
-pump sees end-of-file or the process sentinel and the packer gets a WorkerError
-instead of hanging. After that the fetcher stays failed.
+worker has a socket of its own (not a shared result queue): a worker that dies,
+even halfway through sending a result, closes the only writer of its socket, so
+the pump sees end-of-file or the process sentinel and the packer gets a
+WorkerError instead of hanging. After that the fetcher stays failed.
+
+Start-up: a worker is spawned with nothing but its socket (multiprocessing writes
+the process object into a pipe and blocks until the child reads it: a child that
+dies first, e.g. re-running a script without a `__main__` guard, would block the
+parent forever). It reports once it runs our code, and only then do the datasets,
+pickled once, go over its socket from a thread of their own. Workers ignore
+SIGINT (the main process decides what a Ctrl-C means) and leave quietly when the
+main process goes away.
 """
 
 from __future__ import annotations
 
 import collections
 import multiprocessing
+import multiprocessing.process
+import multiprocessing.resource_tracker
+import os
 import pickle
+import signal
 import socket
 import threading
 import time
 import traceback
+import weakref
 from multiprocessing.connection import Connection, wait
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 from bagel_grain.errors import BagelGrainError
 from bagel_grain.sources.readahead import close_read_ahead
 
+DEFAULT_ELEMENT_TIMEOUT_S = 300.0
+_MIN_START_TIMEOUT_S = 120.0  # importing the main script on a busy host can take that long
 _JOBS_PER_WORKER = 4  # handed out ahead, so a worker never idles between results
 _POLL_S = 1.0
 _SOCKET_BUFFER = 4 << 20
+_GUARD_HINT = (
+    "the script that builds the pipeline probably lacks an `if __name__ == \"__main__\":` "
+    "guard (worker processes are spawned: each re-imports the main script, and an "
+    "unguarded script starts the pipeline again there), or the script fails to import "
+    "in a fresh process. The worker's traceback is on stderr")
 
 
 class WorkerError(BagelGrainError):
-  """A worker process died or failed: the stream cannot continue."""
+  """A worker process died, failed or stalled: the stream cannot continue."""
 
 
 def _send(conn: Connection, status: str, job: tuple[int, int], value: Any) -> None:
@@ -66,172 +92,327 @@ def _widen(conn: Connection) -> None:
     pass  # the system's limit stands; only slower
 
 
-def _worker_main(conn: Connection, datasets: Sequence[Any]) -> None:
-  """A worker: computes (group, index) jobs until told to stop (None) or the pipe closes."""
-  _widen(conn)
-  conn.send(("ready", None, 0))  # imports and datasets unpickled: it may be given work
-  while True:
+def _worker_main(conn: Connection) -> None:
+  """A worker: says hello, loads its datasets, then computes (group, index) jobs.
+
+  It stops when told to (None) or when the main process is gone (end-of-file or a
+  broken socket), without a traceback either way.
+  """
+  signal.signal(signal.SIGINT, signal.SIG_IGN)
+  signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})  # blocked by our parent at spawn
+  signal.signal(signal.SIGTERM, signal.SIG_DFL)  # whatever the re-imported main script set
+  try:
+    _widen(conn)
+    conn.send(("hello", None, 0))
     try:
-      job = conn.recv()
+      datasets = pickle.loads(conn.recv_bytes())
     except (EOFError, OSError):
       return
-    if job is None:
-      return
-    group, index = job
-    try:
-      value = datasets[group][index]
-    except Exception:  # pylint: disable=broad-except  # reported, then the stream stops
-      conn.send(("error", job, 0))
+    except BaseException:  # pylint: disable=broad-except  # reported, then this worker ends
+      conn.send(("failed", None, 0))
       conn.send_bytes(pickle.dumps(traceback.format_exc()))
-      continue
-    _send(conn, "ok", job, value)
+      return
+    conn.send(("ready", None, 0))
+    while True:
+      job = conn.recv()
+      if job is None:
+        return
+      group, index = job
+      try:
+        value = datasets[group][index]
+      except Exception:  # pylint: disable=broad-except  # reported, then the stream stops
+        conn.send(("error", job, 0))
+        conn.send_bytes(pickle.dumps(traceback.format_exc()))
+        continue
+      _send(conn, "ok", job, value)
+  except (EOFError, OSError):
+    return  # the main process closed our socket or went away
 
 
 class _Worker:
-  def __init__(self, ctx, datasets):
+  """A worker process and what the pump knows of it."""
+
+  def __init__(self, ctx):
     self.conn, child = ctx.Pipe()
-    self.process = ctx.Process(target=_worker_main, args=(child, datasets), daemon=True)
+    self.process = ctx.Process(target=_worker_main, args=(child,), daemon=True)
     self.process.start()
     child.close()
     _widen(self.conn)
+    self.stage = "starting"  # -> "loading" (said hello) -> "ready" (datasets loaded)
+    self.since = time.monotonic()  # start of the current stage, or of the job in hand
     self.jobs: collections.deque[tuple[int, int]] = collections.deque()
-    self.ready = False  # until it says so, its work is done by the main process
+
+  def describe_exit(self) -> str:
+    self.process.join(timeout=1)  # so that its exit code is known
+    return f"worker process {self.process.pid} exited (exit code {self.process.exitcode})"
+
+
+class _InlineFailure:
+  """An exception raised by an element computed inline, re-raised by the caller."""
+
+  def __init__(self, error: BaseException):
+    self.error = error
+
+
+def _start_workers(ctx, count: int) -> list[_Worker]:
+  """Spawns workers with SIGINT blocked, so that they inherit it blocked until they ignore it."""
+  # Spawning the resource tracker unblocks SIGINT in this thread: let that happen first.
+  multiprocessing.resource_tracker.ensure_running()
+  old = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+  try:
+    return [_Worker(ctx) for _ in range(count)]
+  finally:
+    signal.pthread_sigmask(signal.SIG_SETMASK, old)
 
 
 class Fetcher:
-  """`get(group, index)`: the element, from `workers` processes or inline (0)."""
+  """`get(group, index)`: the element, from `workers` processes or the inline thread (0).
 
-  def __init__(self, datasets: Sequence[Any], *, workers: int, depths: Sequence[int]):
+  `describe(group, index)` names an element in errors (group, index and record);
+  `timeout_s` bounds one element's computation, and one worker's start-up (at least
+  two minutes).
+  """
+
+  def __init__(self, datasets: Sequence[Any], *, workers: int, depths: Sequence[int],
+               timeout_s: float = DEFAULT_ELEMENT_TIMEOUT_S,
+               describe: Callable[[int, int], str] | None = None):
     self._datasets = list(datasets)
     self._depths = list(depths)
+    self._timeout_s = float(timeout_s)
+    self._describe = describe or (lambda group, index: f"group {group} element {index}")
+    self._pid = os.getpid()
     self._pending: dict[tuple[int, int], None] = {}  # wanted, not yet handed out (ordered)
     self._done: dict[tuple[int, int], Any] = {}
     self._workers: list[_Worker] = []
     self._failure: str | None = None
+    self._closed = False
     self._cond = threading.Condition()
+    self._inline_queue: collections.deque[tuple[int, int]] = collections.deque()
+    self._inline_key: tuple[int, int] | None = None
+    self._inline_since = 0.0
     self._pump: threading.Thread | None = None
     if workers > 0:
-      ctx = multiprocessing.get_context("spawn")
-      self._workers = [_Worker(ctx, self._datasets) for _ in range(workers)]
-      self._wake_reader, self._wake = ctx.Pipe(duplex=False)
-      self._stopping = False
+      try:
+        payload = pickle.dumps(self._datasets, protocol=pickle.HIGHEST_PROTOCOL)
+      except Exception as e:  # pylint: disable=broad-except  # any pickling failure
+        raise WorkerError(
+            f"the pipeline's datasets cannot be sent to worker processes ({type(e).__name__}: "
+            f"{e}); every dataset, transform and tokenizer must be picklable. Use workers=0 "
+            "to decode in this process.") from e
+      self._workers = _start_workers(multiprocessing.get_context("spawn"), workers)
+      self._payload = payload
+      self._wake_reader, self._wake = multiprocessing.Pipe(duplex=False)
       self._pump = threading.Thread(target=self._run_pump, name="bagel-grain-fetch",
                                     daemon=True)
       self._pump.start()
+    self._inline = threading.Thread(target=self._run_inline, name="bagel-grain-inline",
+                                    daemon=True)
+    self._inline.start()
+    _LIVE.add(self)
 
   # -- the packer's side -------------------------------------------------------
 
   def get(self, group: int, index: int) -> Any:
-    if self._pump is None and self._failure is None:
-      return self._datasets[group][index]
+    self._check_owner()
     with self._cond:
-      for ahead in range(self._depths[group] + 1):
+      for ahead in range(self._depths[group] + 1 if self._pump is not None else 1):
         self._want(group, index + ahead)
-    self._wake.send_bytes(b"")
+    self._wake_pump()
     return self._take((group, index))
 
   def get_many(self, keys: Sequence[tuple[int, int]]) -> list[Any]:
     """Several elements at once (a restore's buffer), computed in parallel."""
+    self._check_owner()
     keys = [(int(g), int(i)) for g, i in keys]
-    if self._pump is None and self._failure is None:
-      return [self._datasets[g][i] for g, i in keys]
     with self._cond:
       for key in keys:
         self._want(*key)
-    self._wake.send_bytes(b"")
+    self._wake_pump()
     return [self._take(key) for key in keys]
+
+  def _wake_pump(self) -> None:
+    if self._pump is not None:
+      self._wake.send_bytes(b"")
 
   def _want(self, group: int, index: int) -> None:
     key = (group, index)
-    if index < len(self._datasets[group]) and key not in self._done and not any(
-        key in w.jobs for w in self._workers):
+    if (index < len(self._datasets[group]) and key not in self._done
+        and not self._assigned(key)):
       self._pending.setdefault(key, None)
+
+  def _assigned(self, key: tuple[int, int]) -> bool:
+    """Handed to a worker or to the inline thread (caller holds the lock)."""
+    return (key == self._inline_key or key in self._inline_queue
+            or any(key in w.jobs for w in self._workers))
 
   def _take(self, key: tuple[int, int]) -> Any:
     with self._cond:
       while True:
+        self._check_inline_deadline()
         self._check()
         if key in self._done:
-          return self._done.pop(key)
-        if not any(key in w.jobs for w in self._workers):
+          value = self._done.pop(key)
+          if isinstance(value, _InlineFailure):
+            raise value.error
+          return value
+        if not self._assigned(key):
           self._pending.pop(key, None)  # no worker has it: do it here rather than wait
-          break
-        self._cond.wait()
-    return self._datasets[key[0]][key[1]]
+          self._inline_queue.append(key)
+          self._cond.notify_all()
+        self._cond.wait(_POLL_S)
 
   def _check(self) -> None:
     if self._failure is not None:
       raise WorkerError(self._failure)
+    if self._closed:
+      raise WorkerError("the fetcher was closed")
+
+  def _check_owner(self) -> None:
+    if os.getpid() != self._pid:
+      raise WorkerError(
+          f"this iterator belongs to process {self._pid}, and this process ({os.getpid()}) "
+          "is a fork of it: its threads and worker processes stayed with the parent. Build "
+          "a new iterator here (set_state with the parent's state continues its stream).")
+
+  def _check_inline_deadline(self) -> None:
+    """Fails when the inline thread's element overran (caller holds the lock)."""
+    if (self._inline_key is not None
+        and time.monotonic() - self._inline_since > self._timeout_s):
+      self._fail(self._stalled(self._inline_key, "this process"))
+
+  def _stalled(self, key: tuple[int, int], where: str) -> str:
+    return (f"{self._describe(*key)} took longer than element_timeout_s = "
+            f"{self._timeout_s:g} s in {where}: a read that stalls (a stuck network mount, an "
+            "object store that stopped answering) or a decode that never ends. Fix the storage, "
+            "or raise `element_timeout_s` if elements this slow are expected.")
+
+  # -- the inline thread -------------------------------------------------------
+
+  def _run_inline(self) -> None:
+    while True:
+      with self._cond:
+        while not self._inline_queue and not self._closed:
+          self._cond.wait()
+        if self._closed:
+          return
+        key = self._inline_queue.popleft()
+        self._inline_key, self._inline_since = key, time.monotonic()
+      try:
+        value = self._datasets[key[0]][key[1]]
+      except BaseException as e:  # pylint: disable=broad-except  # re-raised by the caller
+        value = _InlineFailure(e)
+      with self._cond:
+        self._inline_key = None
+        self._done[key] = value
+        self._cond.notify_all()
 
   # -- the pump thread ---------------------------------------------------------
 
   def _run_pump(self) -> None:
     while True:
       with self._cond:
-        if self._stopping or self._failure is not None:
+        if self._closed or self._failure is not None:
           return
         self._dispatch()
-        busy = [w for w in self._workers if w.jobs or not w.ready]
-      waiting = [self._wake_reader] + [w.conn for w in busy] + [w.process.sentinel for w in busy]
+        self._check_deadlines()
+        watched = [w for w in self._workers if w.jobs or w.stage != "ready"]
+      waiting = ([self._wake_reader] + [w.conn for w in watched]
+                 + [w.process.sentinel for w in watched])
       ready = wait(waiting, _POLL_S)
       if self._wake_reader in ready:
         while self._wake_reader.poll():
           self._wake_reader.recv_bytes()
-      for w in busy:
+      for w in watched:
         if not self._receive(w, ready):
           return
 
   def _dispatch(self) -> None:
     for w in self._workers:
-      while w.ready and self._pending and len(w.jobs) < _JOBS_PER_WORKER:
+      while w.stage == "ready" and self._pending and len(w.jobs) < _JOBS_PER_WORKER:
         key = next(iter(self._pending))
         del self._pending[key]
         try:
           w.conn.send(key)
         except OSError:  # the worker is gone
-          w.process.join(timeout=1)
-          self._fail(f"worker process {w.process.pid} died (exit code "
-                     f"{w.process.exitcode}) before it was given work")
+          self._fail(f"{w.describe_exit()} before it was given work")
           return
+        if not w.jobs:
+          w.since = time.monotonic()
         w.jobs.append(key)
 
+  def _check_deadlines(self) -> None:
+    now = time.monotonic()
+    start_timeout = max(self._timeout_s, _MIN_START_TIMEOUT_S)
+    for w in self._workers:
+      if w.stage != "ready" and now - w.since > start_timeout:
+        self._fail(f"worker process {w.process.pid} did not finish starting within "
+                   f"{start_timeout:g} s (stage: {w.stage}); its stderr may say why")
+      elif w.jobs and now - w.since > self._timeout_s:
+        self._fail(self._stalled(w.jobs[0], f"worker process {w.process.pid}"))
+
   def _receive(self, w: _Worker, ready: list) -> bool:
-    """Takes in `w`'s result if it sent one; False once the fetcher has failed."""
-    if w.conn in ready and not w.ready:
-      try:
-        w.ready = w.conn.recv()[0] == "ready"
-        return True
-      except (EOFError, OSError):
-        w.process.join(timeout=1)
-        with self._cond:
-          self._fail(f"worker process {w.process.pid} died while starting (exit code "
-                     f"{w.process.exitcode})")
-        return False
+    """Takes in what `w` sent, or notices its exit; False once the fetcher has failed."""
     if w.conn in ready:
       try:
+        if w.stage != "ready":
+          return self._starting(w, w.conn.recv()[0])
         status, key, value = _recv(w.conn)
       except (EOFError, OSError):
-        w.process.join(timeout=1)
-        with self._cond:
-          self._fail(f"worker process {w.process.pid} died (exit code "
-                     f"{w.process.exitcode}) while decoding group {w.jobs[0][0]} element "
-                     f"{w.jobs[0][1]}")
-        return False
+        return self._exited(w)
       with self._cond:
         w.jobs.remove(key)
+        w.since = time.monotonic()
         if status == "error":
-          self._fail(f"group {key[0]} element {key[1]} failed in a worker:\n{value}")
+          self._fail(f"{self._describe(*key)} failed in worker process "
+                     f"{w.process.pid}:\n{value}")
           return False
         self._done[key] = value
         self._cond.notify_all()
     elif w.process.sentinel in ready:
-      w.process.join(timeout=1)  # so that its exit code is known
-      doing = f"group {w.jobs[0][0]} element {w.jobs[0][1]}" if w.jobs else "no element"
-      with self._cond:
-        self._fail(f"worker process {w.process.pid} died (exit code {w.process.exitcode}) "
-                   f"with {doing} in hand")
-      return False
+      return self._exited(w)
     return True
+
+  def _starting(self, w: _Worker, message: str) -> bool:
+    """A start-up message: hello (then its datasets go out), failed, or ready."""
+    with self._cond:
+      w.since = time.monotonic()
+      if message == "hello":
+        w.stage = "loading"
+        threading.Thread(target=self._hand_over, args=(w,), name="bagel-grain-start",
+                         daemon=True).start()
+      elif message == "ready":
+        w.stage = "ready"
+      else:
+        try:
+          detail = pickle.loads(w.conn.recv_bytes())
+        except (EOFError, OSError):
+          detail = "(its traceback was lost)"
+        self._fail(f"worker process {w.process.pid} could not load the pipeline's datasets "
+                   "(a module they need does not import in a fresh process, or an object "
+                   f"does not unpickle):\n{detail}")
+        return False
+    return True
+
+  def _hand_over(self, w: _Worker) -> None:
+    """Sends a worker its datasets; blocks only this thread while the worker reads."""
+    try:
+      w.conn.send_bytes(self._payload)
+    except (OSError, ValueError):
+      pass  # the worker exited (the pump reports it) or the fetcher was closed
+
+  def _exited(self, w: _Worker) -> bool:
+    with self._cond:
+      if w.stage == "starting":
+        self._fail(f"{w.describe_exit()} while starting, before it ran any bagel_grain "
+                   f"code: {_GUARD_HINT}.")
+      elif w.stage == "loading":
+        self._fail(f"{w.describe_exit()} while loading the pipeline's datasets (killed, or "
+                   "out of memory?)")
+      elif w.jobs:
+        self._fail(f"{w.describe_exit()} with {self._describe(*w.jobs[0])} in hand")
+      else:
+        self._fail(f"{w.describe_exit()} while idle")
+    return False
 
   def _fail(self, message: str) -> None:
     """Records the failure (caller holds the lock); the packer raises it on its next call."""
@@ -242,19 +423,33 @@ class Fetcher:
   # -- lifecycle ---------------------------------------------------------------
 
   def reset(self) -> None:
-    """Forgets prefetched work (after a restore); jobs already handed out are drained."""
+    """Forgets prefetched work (after a restore); work already handed out is drained."""
+    self._check_owner()
     with self._cond:
       self._pending.clear()
-      self._done.clear()
-      while any(w.jobs for w in self._workers) and self._failure is None:
-        self._cond.wait()
+      self._inline_queue.clear()
+      while self._failure is None and (
+          self._inline_key is not None or any(w.jobs for w in self._workers)):
+        self._check_inline_deadline()
+        self._cond.wait(_POLL_S)
       self._done.clear()
 
   def close(self) -> None:
-    """Stops the pump and the workers: asked first, then terminated; no process outlives it."""
+    """Stops the threads and the workers: asked first, then terminated; no process outlives it.
+
+    In a forked child only the child's copies of the sockets are closed: the
+    workers belong to the parent.
+    """
+    _LIVE.discard(self)
+    if os.getpid() != self._pid:
+      self._forget_workers()
+      return
+    with self._cond:
+      if self._closed:
+        return
+      self._closed = True
+      self._cond.notify_all()
     if self._pump is not None:
-      with self._cond:
-        self._stopping = True
       self._wake.send_bytes(b"")
       self._pump.join()
       self._pump = None
@@ -278,4 +473,29 @@ class Fetcher:
         w.process.join()
       w.conn.close()
     self._pending.clear()
+    self._done.clear()
     close_read_ahead(self._datasets)
+
+  def _forget_workers(self) -> None:
+    """In a forked child: drop the parent's workers without touching them."""
+    workers, self._workers = self._workers, []
+    for w in workers:
+      # Else the child's exit handler would terminate the parent's daemonic workers.
+      multiprocessing.process._children.discard(w.process)  # pylint: disable=protected-access
+      w.conn.close()
+    if self._pump is not None:
+      self._pump = None
+      self._wake.close()
+      self._wake_reader.close()
+
+
+# Fetchers that may still own threads and processes: a forked child lets go of them.
+_LIVE: weakref.WeakSet[Fetcher] = weakref.WeakSet()
+
+
+def _after_fork_in_child() -> None:
+  for fetcher in list(_LIVE):
+    fetcher._forget_workers()  # pylint: disable=protected-access
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)

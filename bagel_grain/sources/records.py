@@ -202,13 +202,21 @@ class ShuffledRecords(grain.MapDataset):
         del self._orders[old]
     return order
 
-  def __getitem__(self, index):
-    if isinstance(index, slice):
-      return self.slice(index)
+  def _source_index(self, index: int) -> tuple[int, int]:
+    """(epoch, index in the source) of element `index`."""
     if not 0 <= index < len(self):
       raise IndexError(index)
     epoch, position = divmod(index, self._per_epoch)
-    source_index = int(self._order(epoch)[position])
+    return epoch, int(self._order(epoch)[position])
+
+  def record_id(self, index: int) -> str:
+    """The id of element `index`'s record, without reading it (for error messages)."""
+    return self._source.record_id(self._source_index(index)[1])
+
+  def __getitem__(self, index):
+    if isinstance(index, slice):
+      return self.slice(index)
+    epoch, source_index = self._source_index(index)
     dataset, _ = self._source.locate(source_index)
     record_id = self._source.record_id(source_index)
     try:
