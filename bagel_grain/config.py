@@ -140,6 +140,13 @@ class PipelineConfig:
 
 
 _PACKING_FIELDS = {f.name for f in dataclasses.fields(PipelineConfig)} - {"groups"}
+# Fields that never change a row of the stream: how fast or with how many processes it is
+# made, when a run stops for bad data, resource limits, what the batches are wrapped in.
+# A saved state restores under any value of them (see `pipeline.fingerprint`).
+STREAM_NEUTRAL_FIELDS = frozenset({
+    "tokenizer_path", "num_workers", "batch_size", "use_flex", "max_consecutive_drops",
+    "bad_record_window", "max_bad_ratio", "max_image_bytes", "max_row_group_cache_bytes",
+    "element_timeout_s"})
 # The allowed range of each numeric top-level field, bounds included (None: unbounded).
 _RANGES: dict[str, tuple[float | None, float | None]] = {
     "expected_num_tokens": (1, None), "max_num_tokens": (1, None),

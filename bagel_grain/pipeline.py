@@ -18,7 +18,7 @@ import grain
 import numpy as np
 
 from bagel_grain import fs, images
-from bagel_grain.config import PipelineConfig
+from bagel_grain.config import STREAM_NEUTRAL_FIELDS, PipelineConfig
 from bagel_grain.errors import ConfigError, DatasetError
 from bagel_grain.families.base import FamilyTransform
 from bagel_grain.packing.batch import BatchDataset, BatchIterator
@@ -183,19 +183,22 @@ def capacities(cfg: PipelineConfig) -> Capacities:
 
 def fingerprint(cfg: PipelineConfig, tokenizer, *, seed: int,
                 shard_count: int) -> dict[str, Any]:
-  """What shapes the stream; a restore under a different one is refused, naming the field.
+  """What shapes the stream, field by field; a restore under a different one is refused,
+  naming each field that changed. Fields that never change a row
+  (`config.STREAM_NEUTRAL_FIELDS`) are left out; each group is one short hash.
 
   The process index and count are not in it: with `logical_shards` set, a state
   restores under any process count (docs/elastic.md).
   """
-  shaping = dataclasses.asdict(cfg)
-  for name in ("num_workers", "batch_size", "use_flex"):  # they never change a row
-    del shaping[name]
-  if cfg.logical_shards is None:  # the hash of a config from before logical shards
-    del shaping["logical_shards"]
-  config_hash = hashlib.sha256(json.dumps(shaping, sort_keys=True, default=str).encode())
-  return {"config": config_hash.hexdigest()[:16], "tokenizer": tokenizer.fingerprint(),
+  shaping = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)
+             if f.name not in STREAM_NEUTRAL_FIELDS and f.name != "groups"}
+  groups = {g.name: _short_hash(dataclasses.asdict(g)) for g in cfg.groups}
+  return {"config": {**shaping, "groups": groups}, "tokenizer": tokenizer.fingerprint(),
           "seed": int(seed), "logical_shards": int(shard_count)}
+
+
+def _short_hash(value: Any) -> str:
+  return hashlib.sha256(json.dumps(value, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
 def build_pipeline(cfg: PipelineConfig, tokenizer, *, seed: int | None = None,

@@ -1,14 +1,20 @@
 """The batching stage: rows written into static-shape batches; what Grain cannot do to it."""
 
 import itertools
+import threading
+import time
 
 import grain
+import hypothesis
 import numpy as np
 import pytest
+from hypothesis import strategies as st
 
 from bagel_grain.errors import UnsupportedOperationError
+from bagel_grain.packing import batch
+from bagel_grain.packing.fetch import Fetcher
 from bagel_grain.packing.row import RowBuilder, empty_row
-from packer_samples import CAPS, batched, groups_of, packed
+from packer_samples import CAPS, batched, groups_of, make_sample, packed
 from resume import assert_resumes_identically, take
 
 
@@ -82,3 +88,131 @@ def test_a_data_loader_over_the_stream_says_it_has_no_random_access():
 def test_islice_is_the_way_to_take_a_few():
   with iter(batched(groups_of([[100] * 40]), 2)) as it:
     assert len(list(itertools.islice(it, 3))) == 3
+
+
+# --- one next() is one transaction; other threads see a consistent position -------------
+
+
+class Interrupting:
+  """The inline fetcher, raising KeyboardInterrupt at the chosen calls of `get`; `delay_s`
+  makes each element slow, so that other threads meet a next() in progress."""
+
+  def __init__(self, groups, at=(), delay_s=0.0):
+    self.inner = Fetcher(groups, workers=0, depths=[0] * len(groups))
+    self.at, self.calls, self.delay_s = set(at), 0, delay_s
+
+  def get(self, group, index):
+    self.calls += 1
+    if self.calls in self.at:
+      raise KeyboardInterrupt
+    time.sleep(self.delay_s)
+    return self.inner.get(group, index)
+
+  def get_many(self, keys):
+    return self.inner.get_many(keys)
+
+  def reset(self):
+    self.inner.reset()
+
+  def close(self):
+    self.inner.close()
+
+
+SIZES = [[300, 200, 500, 100, 50, 400, 250] * 5, [120, 700, 80, 60] * 8]
+
+
+def transaction_groups():
+  groups = groups_of(SIZES)
+  for i in (3, 11, 20):  # drops too: counted, and counted once
+    groups[0][i] = make_sample(0, i, 10, drop_reason="bad_image")
+  return groups
+
+
+def balanced(stats):
+  return stats["drawn"] == stats["packed"] + stats["dropped"] + stats["buffered"] + \
+      stats["carried"]
+
+
+def batch_keys(batches):
+  return [tuple(b["sample_keys"]) for b in batches]
+
+
+@hypothesis.settings(max_examples=25, deadline=None)
+@hypothesis.given(fetch_at=st.sets(st.integers(1, 150), max_size=8),
+                  write_at=st.sets(st.integers(1, 30), max_size=4))
+def test_a_next_interrupted_anywhere_loses_and_repeats_nothing(fetch_at, write_at):
+  groups = transaction_groups()
+  with iter(batched(groups, 2, expected=700, mandatory=[False, True])) as it:
+    want = batch_keys(take(it, 12))
+  writes, write_row = itertools.count(1), batch.write_row
+
+  def write(*args):
+    if next(writes) in write_at:
+      raise KeyboardInterrupt
+    return write_row(*args)
+
+  got = []
+  with pytest.MonkeyPatch.context() as patch, iter(batched(
+      groups, 2, expected=700, mandatory=[False, True],
+      fetcher=lambda gs: Interrupting(gs, fetch_at))) as it:
+    patch.setattr(batch, "write_row", write)
+    while len(got) < len(want):
+      before = it.get_state()
+      try:
+        got.append(next(it))
+      except KeyboardInterrupt:
+        assert it.get_state() == before  # nothing of the interrupted next() stayed
+      except StopIteration:
+        break
+      assert balanced(it.stats())
+  assert batch_keys(got) == want
+
+
+def test_get_state_and_stats_from_another_thread_are_consistent():
+  groups = transaction_groups()
+  seen, stop = [], threading.Event()
+
+  def watch(it):
+    while not stop.is_set():
+      state, stats = it.get_state(), it.stats()
+      drawn = sum(c.get("drawn", 0) for c in state["stats"]["counts"].values())
+      packed = sum(c.get("packed", 0) for c in state["stats"]["counts"].values())
+      dropped = sum(sum(d.values()) for d in state["stats"]["drops"].values())
+      seen.append((drawn == packed + dropped + len(state["buffer"]) + len(state["carried"]),
+                   balanced(stats)))
+
+  with iter(batched(groups, 2, expected=700, mandatory=[False, True],
+                    fetcher=lambda gs: Interrupting(gs, delay_s=0.002))) as it:
+    watcher = threading.Thread(target=watch, args=(it,))
+    watcher.start()
+    try:
+      take(it, 10)
+    finally:
+      stop.set()
+      watcher.join()
+  assert len(seen) > 10 and all(ok == (True, True) for ok in seen), seen
+
+
+def test_two_threads_calling_next_take_turns():
+  groups = transaction_groups()
+  with iter(batched(groups, 2, expected=700, mandatory=[False, True])) as it:
+    want = batch_keys(take(it, 12))
+  got = []
+  with iter(batched(groups, 2, expected=700, mandatory=[False, True],
+                    fetcher=lambda gs: Interrupting(gs, delay_s=0.001))) as it:
+    threads = [threading.Thread(target=lambda: got.extend(take(it, 6))) for _ in range(2)]
+    for t in threads:
+      t.start()
+    for t in threads:
+      t.join()
+  for b in got:
+    assert [len(keys) for keys in b["sample_keys"]] == b["num_samples"].tolist()
+  assert sorted(batch_keys(got)) == sorted(want)
+
+
+def test_next_after_close_raises():
+  it = iter(batched(groups_of(SIZES), 2))
+  next(it)
+  it.close()
+  with pytest.raises(ValueError, match="closed"):
+    next(it)

@@ -159,3 +159,33 @@ def test_pipeline_stats_takes_the_pipelines_own_iterator(demo_config, demo_token
       pipeline_stats(mapped)
   finally:
     mapped.close()
+
+
+# Knobs that never change a row: a state saved under one value restores under another.
+STREAM_NEUTRAL = {"num_workers": 3, "max_consecutive_drops": 7, "bad_record_window": 50,
+                  "max_bad_ratio": 0.5, "max_image_bytes": 1 << 20,
+                  "max_row_group_cache_bytes": 1, "element_timeout_s": 60.0}
+
+
+def test_knobs_that_do_not_shape_the_stream_keep_a_saved_state_valid(demo_config, demo_tokenizer,
+                                                                    reference):
+  with pipeline(demo_config, demo_tokenizer)() as it:
+    take(it, 5)
+    state = json.loads(json.dumps(it.get_state()))
+  changed = dataclasses.replace(demo_config, **STREAM_NEUTRAL)
+  with pipeline(changed, demo_tokenizer)() as it:
+    it.set_state(state)
+    assert_same_elements(take(it, 3), reference[5:8])
+
+
+def test_a_field_that_shapes_the_stream_is_named_when_it_changed(demo_config, demo_tokenizer):
+  with pipeline(demo_config, demo_tokenizer)() as it:
+    next(it)
+    state = it.get_state()
+  changed = dataclasses.replace(demo_config, max_buffer_size=3,
+                                text_cond_dropout_prob=0.5)
+  with pipeline(changed, demo_tokenizer)() as it:
+    with pytest.raises(StateMismatchError, match=r"config.max_buffer_size: saved 16, now 3; "
+                                                 r"config.text_cond_dropout_prob: saved 0.1, "
+                                                 r"now 0.5\)"):
+      it.set_state(state)

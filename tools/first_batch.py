@@ -6,7 +6,7 @@ few batches into a new iterator and take its first batch. Worker counts take
 turns, `--repeats` times, and the medians are printed with their difference to
 0 workers.
 
-    python tools/first_batch.py --config configs/bench.yaml --data .bench_data
+    python tools/first_batch.py --config bench --data .bench_data
 """
 
 from __future__ import annotations
@@ -22,18 +22,15 @@ ROOT = Path(__file__).resolve().parents[1]
 
 _CHILD = """
 import json, sys, time
-from pathlib import Path
-import yaml
-from bagel_grain.config import config_from_dict
+from bagel_grain.config import load_config
+from bagel_grain.configs import DATA_MAKERS, load_shipped
 from bagel_grain.pipeline import build_pipeline
 from bagel_grain.tokenizer import load_tokenizer
 
 config, data, workers, batch_size, batches = sys.argv[1:6]
 workers, batch_size, batches = int(workers), int(batch_size), int(batches)
-raw = yaml.safe_load(Path(config).read_text())
-raw.update(dataset_info=data + "/dataset_info.yaml", tokenizer_path=data + "/tokenizer")
-cfg = config_from_dict(raw, file=config, base_dir=str(Path(config).parent))
-tokenizer = load_tokenizer(data + "/tokenizer")
+cfg = load_shipped(config, data) if config in DATA_MAKERS else load_config(config)
+tokenizer = load_tokenizer(cfg.tokenizer_path)
 start = time.perf_counter()
 it = iter(build_pipeline(cfg, tokenizer, batch_size=batch_size, workers=workers))
 next(it)
@@ -61,8 +58,10 @@ def measure(args, workers: int) -> dict[str, float]:
 
 def main(argv=None) -> int:
   parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-  parser.add_argument("--config", default=str(ROOT / "configs" / "bench.yaml"))
-  parser.add_argument("--data", default=str(ROOT / ".bench_data"))
+  parser.add_argument("--config", default="bench",
+                      help="a shipped config's name (bench, demo) or a config file")
+  parser.add_argument("--data", default=str(ROOT / ".bench_data"),
+                      help="the data folder of a shipped config")
   parser.add_argument("--workers", type=int, nargs="+", default=[0, 2])
   parser.add_argument("--repeats", type=int, default=5)
   parser.add_argument("--batch-size", type=int, default=1)

@@ -13,12 +13,14 @@ saved per process by Grain's own handler (`data/process_<i>-of-<n>.json`).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import re
 from typing import Any
 
 import grain
+import jax
 import orbax.checkpoint as ocp
 from etils import epath
 
@@ -71,6 +73,16 @@ def restore(manager: ocp.CheckpointManager, step: int | None, state_template: An
 _SHARD_FILE = re.compile(r"shard_state_(\d+)-of-(\d+)\.json")
 
 
+@contextlib.contextmanager
+def _naming(paths):
+  """A damaged or foreign saved state: an error that names the files it came from."""
+  try:
+    yield
+  except (json.JSONDecodeError, StateMismatchError) as e:
+    raise StateMismatchError(f"cannot restore the data iterator from "
+                             f"{', '.join(map(str, paths))}: {e}") from e
+
+
 def _sharded(state: Any) -> bool:
   return isinstance(state, dict) and "shards" in state and "logical_shards" in state
 
@@ -97,28 +109,29 @@ class ShardStatesHandler:
   def restore(self, directory: epath.Path, item: Any = None, args: Any = None) -> Any:
     item = item if item is not None else args.item
     served = item.get_state()
-    if not _sharded(served):
-      return grain.checkpoint.CheckpointHandler().restore(
-          directory, args=grain.checkpoint.CheckpointRestore(item))
     saved_counts = {int(m.group(2)) for f in directory.iterdir()
                     if (m := _SHARD_FILE.fullmatch(f.name))}
-    if not saved_counts:  # written per process, before logical shards
-      return grain.checkpoint.CheckpointHandler().restore(
-          directory, args=grain.checkpoint.CheckpointRestore(item))
+    if not _sharded(served) or not saved_counts:  # Grain's per-process file (also from before
+      process_file = directory / f"process_{jax.process_index()}-of-{jax.process_count()}.json"
+      with _naming([process_file]):  # logical shards)
+        return grain.checkpoint.CheckpointHandler().restore(
+            directory, args=grain.checkpoint.CheckpointRestore(item))
     count = served["logical_shards"]
     if saved_counts != {count}:
       raise StateMismatchError(
           f"the checkpoint in {directory} holds logical shards of {sorted(saved_counts)} "
           f"(logical_shards: saved {sorted(saved_counts)}, now {count}): restore with the "
           "logical_shards it was saved with (unset means one per process)")
+    paths = [directory / f"shard_state_{shard}-of-{count}.json" for shard in served["shards"]]
     parts = []
-    for shard in served["shards"]:
-      path = directory / f"shard_state_{shard}-of-{count}.json"
+    for shard, path in zip(served["shards"], paths):
       if not path.exists():
         raise StateMismatchError(f"{path} is missing: this process serves logical shard "
                                  f"{shard} of {count}")
-      parts.append(json.loads(path.read_text()))
-    item.set_state(joined_states(parts))
+      with _naming([path]):
+        parts.append(json.loads(path.read_text()))
+    with _naming(paths):
+      item.set_state(joined_states(parts))
     item.start_prefetch()
     return item
 

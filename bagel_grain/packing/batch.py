@@ -5,10 +5,17 @@ batch). Each batch carries `sample_keys` per row; a finite stream's last batch i
 padded with empty rows. This is the pipeline's outer stage: its state is that of
 the rows it batches (a packing stage, or the interleaving of a process's logical
 shards), sealed with a version and the stream's fingerprint.
+
+Each `next()` is one transaction: the stages' position is saved before it and put
+back when it raises (an error, a Ctrl-C), so no sample is lost or drawn twice;
+at the stream's end it keeps what it drew on the way. `get_state()` and `stats()`
+from another thread see the position before the `next()` in progress; two
+threads calling `next()` take turns.
 """
 
 from __future__ import annotations
 
+import threading
 from typing import Any, NoReturn, Sequence
 
 import grain
@@ -16,11 +23,12 @@ import grain
 from bagel_grain.errors import UnsupportedOperationError
 from bagel_grain.packed_row import PackedBatch
 from bagel_grain.packing import state as envelope
-from bagel_grain.packing.pack import PackDataset, PackIterator
+from bagel_grain.packing.pack import PackDataset, PackIterator, PackPosition
 from bagel_grain.packing.prepare import PreparedSample
 from bagel_grain.packing.row import Capacities, batch_row, empty_row, write_row
-from bagel_grain.packing.shards import ShardInterleaveDataset, ShardInterleaveIterator
-from bagel_grain.packing.stage import StageIterator
+from bagel_grain.packing.shards import (InterleavePosition, ShardInterleaveDataset,
+                                        ShardInterleaveIterator)
+from bagel_grain.packing.stage import StageIterator, interrupts_held
 
 SampleKeys = tuple[tuple[str, int, int, str], ...]
 
@@ -77,10 +85,34 @@ class BatchIterator(StageIterator):
     self._batch_size = batch_size
     self._capacities = capacities
     self._fingerprint = dict(fingerprint)
+    self._step = threading.Lock()  # one next() or set_state() at a time
+    self._position_lock = threading.Lock()  # guards `_in_flight` and each change of position
+    # The position a next() in progress started at.
+    self._in_flight: PackPosition | InterleavePosition | None = None
 
   def __next__(self) -> PackedBatch:
     self._assert_not_closed()
-    return self._own_time(self._next_batch)
+    with self._step:
+      self._assert_not_closed()
+      start = self._rows.position()
+      with self._position_lock:
+        self._in_flight = start
+      try:
+        return self._own_time(self._next_batch)
+      except StopIteration:
+        raise  # the stream's end: what was drawn on the way (drops, say) is counted
+      except BaseException:
+        with interrupts_held(), self._position_lock:
+          self._rows.restore(start)
+        raise
+      finally:
+        with self._position_lock:
+          self._in_flight = None
+
+  def _position(self) -> PackPosition | InterleavePosition:
+    """The position of the last batch returned: a consistent one, whatever runs meanwhile."""
+    with self._position_lock:
+      return self._rows.position() if self._in_flight is None else self._in_flight
 
   def _next_batch(self) -> PackedBatch:
     batch = empty_row(self._capacities, (self._batch_size,))
@@ -101,14 +133,20 @@ class BatchIterator(StageIterator):
     return tuple((names[s.key.group], s.key.index, s.key.epoch, s.key.record) for s in members)
 
   def get_state(self) -> dict[str, Any]:
-    return envelope.sealed(self._rows.get_state(), self._fingerprint)
+    return envelope.sealed(self._rows.state_of(self._position()), self._fingerprint)
 
   def set_state(self, state: dict[str, Any]) -> None:
-    self._rows.set_state(envelope.opened(state, self._fingerprint))
+    """Continues from `state`, all checked first: a malformed or foreign one is a
+    StateMismatchError naming the field, and the iterator stays where it was."""
+    with self._step:
+      position = self._rows.parse_state(envelope.opened(state, self._fingerprint))
+      self._rows.forget_prefetched()
+      with interrupts_held(), self._position_lock:
+        self._rows.restore(position)
 
   def stats(self) -> dict[str, Any]:
     """The packer's counters (drawn, packed, dropped by reason, epochs); see PackIterator."""
-    return self._rows.stats()
+    return self._rows.stats(self._position())
 
   def __str__(self) -> str:
     return f"BatchIterator(batch_size={self._batch_size})"

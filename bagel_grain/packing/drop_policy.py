@@ -48,10 +48,16 @@ class BadRecordLimits:
   The window is not part of the iterator state: after a restore it fills again.
   """
 
-  def __init__(self, policy: DropPolicy, group_names: Sequence[str]):
+  def __init__(self, policy: DropPolicy, group_names: Sequence[str],
+               windows: Sequence[Sequence[DropReason | None]] = ()):
     self._policy = policy
     self._names = tuple(group_names)
-    self._recent = [collections.deque(maxlen=policy.bad_record_window) for _ in self._names]
+    windows = windows or [()] * len(self._names)
+    self._recent = [collections.deque(w, maxlen=policy.bad_record_window) for w in windows]
+
+  def windows(self) -> tuple[tuple[DropReason | None, ...], ...]:
+    """The outcomes in each group's window, by value (to start again from them)."""
+    return tuple(tuple(recent) for recent in self._recent)
 
   def check_window(self, group: int, reason: DropReason | None, record: str) -> None:
     """Stops a group whose latest `bad_record_window` records are mostly bad."""

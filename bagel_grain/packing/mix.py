@@ -7,12 +7,15 @@ depends on how many came before it in any other way. Elements the drop policy
 refuses are counted and replaced by the group's next one.
 
 State: each group's next element index and the draw counter, plus the counters
-of what was drawn and dropped.
+of what was drawn and dropped. A `MixPosition` holds all of it (and the drop
+windows) by value: the stage above saves one before a step and puts it back when
+the step does not complete.
 """
 
 from __future__ import annotations
 
 import collections
+import copy
 import dataclasses
 import weakref
 from typing import Any, Callable, Protocol, Sequence
@@ -26,6 +29,7 @@ from bagel_grain.packing.drop_policy import BadRecordLimits, DropPolicy
 from bagel_grain.packing.fetch import Fetcher
 from bagel_grain.packing.prepare import PreparedSample
 from bagel_grain.packing.stage import StageIterator
+from bagel_grain.packing.state import entry, sequence, whole
 from bagel_grain.packing.stats import DrawCounts
 
 _DRAW_STREAM = 0xD7A3  # separates group draws from every other use of the seed
@@ -84,6 +88,16 @@ class MixSpec:
   seed: int
   process_index: int
   drops: DropPolicy
+
+
+@dataclasses.dataclass(frozen=True)
+class MixPosition:
+  """Where the mixing stage stands: all it changes while drawing, by value."""
+
+  next_index: tuple[int, ...]
+  draws: int
+  counts: dict[str, Any]  # DrawCounts.to_json()
+  windows: tuple[tuple[Any, ...], ...] = ()  # BadRecordLimits.windows(); () when restored
 
 
 class MixDataset(grain.IterDataset):
@@ -175,22 +189,49 @@ class MixIterator(StageIterator):
                                  "the data changed under the checkpoint")
     return samples
 
-  def epochs(self) -> dict[str, int]:
-    """Per group, the epoch of the last element drawn."""
-    return {name: max(0, self._next_index[g] - 1) // n
+  def epochs(self, position: MixPosition | None = None) -> dict[str, int]:
+    """Per group, the epoch of the last element drawn (at `position`, default now)."""
+    next_index = self._next_index if position is None else position.next_index
+    return {name: max(0, next_index[g] - 1) // n
             for g, (name, n) in enumerate(zip(self._spec.group_names,
                                               self._spec.records_per_epoch))}
 
+  def position(self) -> MixPosition:
+    return MixPosition(tuple(self._next_index), self._draws, self._counts.to_json(),
+                       self._limits.windows())
+
+  def restore(self, position: MixPosition) -> None:
+    """Back to `position` (one saved by `position()`, or parsed from a state)."""
+    self._limits = BadRecordLimits(self._spec.drops, self._spec.group_names, position.windows)
+    self._next_index = list(position.next_index)
+    self._draws = position.draws
+    self._counts = DrawCounts.from_json(self._spec.group_names, position.counts)
+
+  def parse_state(self, state: dict[str, Any]) -> MixPosition:
+    """This stage's keys of a state, checked; StateMismatchError naming a malformed field."""
+    n = len(self._groups)
+    next_index = tuple(whole(i, f"next_index[{g}]", greatest=len(self._groups[g]))
+                       for g, i in enumerate(sequence(entry(state, "next_index"), "next_index",
+                                                      length=n)))
+    draws = whole(entry(state, "draws"), "draws")
+    counts = DrawCounts.from_json(self._spec.group_names, entry(state, "stats")).to_json()
+    return MixPosition(next_index, draws, counts)
+
+  def state_of(self, position: MixPosition) -> dict[str, Any]:
+    return {"next_index": list(position.next_index), "draws": position.draws,
+            "stats": copy.deepcopy(position.counts)}
+
   def get_state(self) -> dict[str, Any]:
-    return {"next_index": list(self._next_index), "draws": self._draws,
-            "stats": self._counts.to_json()}
+    return self.state_of(self.position())
 
   def set_state(self, state: dict[str, Any]) -> None:
+    position = self.parse_state(state)
+    self.forget_prefetched()
+    self.restore(position)
+
+  def forget_prefetched(self) -> None:
+    """Lets go of the elements computed ahead (before continuing from another position)."""
     self._fetcher.reset()
-    self._limits = BadRecordLimits(self._spec.drops, self._spec.group_names)
-    self._next_index = [int(i) for i in state["next_index"]]
-    self._draws = int(state["draws"])
-    self._counts = DrawCounts.from_json(self._spec.group_names, state["stats"])
 
   def close(self) -> None:
     self._close_fetcher()

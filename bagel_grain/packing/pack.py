@@ -9,6 +9,8 @@ capacity. Each element is one row: its samples, in order.
 
 State: the keys of the buffered and carried samples (re-created by random
 access on restore), plus the row counters; the mixing stage's state beside it.
+A `PackPosition` holds all of it by value (the samples themselves, not keys), so
+the stage above can put a step that did not complete back.
 """
 
 from __future__ import annotations
@@ -20,10 +22,12 @@ from typing import Any, Sequence
 import grain
 
 from bagel_grain.packing import stats
-from bagel_grain.packing.mix import MixDataset, MixIterator
+from bagel_grain.errors import StateMismatchError
+from bagel_grain.packing.mix import MixDataset, MixIterator, MixPosition
 from bagel_grain.packing.prepare import PreparedSample
 from bagel_grain.packing.row import Capacities, RowBuilder
 from bagel_grain.packing.stage import StageIterator
+from bagel_grain.packing.state import entry, sequence, whole
 from bagel_grain.packing.stats import RowCounts
 
 
@@ -37,6 +41,16 @@ class PackSpec:
   prefer_buffer_before: int
   max_buffer_size: int
   capacities: Capacities
+
+
+@dataclasses.dataclass(frozen=True)
+class PackPosition:
+  """Where the packing stage (and the mixing stage under it) stands, by value."""
+
+  mix: MixPosition
+  buffer: tuple[PreparedSample, ...]
+  carried: tuple[PreparedSample, ...]
+  counts: dict[str, Any]  # RowCounts.to_json()
 
 
 class PackDataset(grain.IterDataset):
@@ -138,25 +152,76 @@ class PackIterator(StageIterator):
         self._carried.append(s)  # upstream drops it here; we start the next row with it
         return
 
-  def get_state(self) -> dict[str, Any]:
-    mixed = self._mix.get_state()
+  def position(self) -> PackPosition:
+    return PackPosition(self._mix.position(), tuple(self._buffer), tuple(self._carried),
+                        self._counts.to_json())
+
+  def restore(self, position: PackPosition) -> None:
+    """Back to `position` (one saved by `position()`, or made by `parse_state`)."""
+    self._mix.restore(position.mix)
+    self._buffer = collections.deque(position.buffer)
+    self._carried = collections.deque(position.carried)
+    self._counts = RowCounts.from_json(self.group_names, position.counts)
+
+  def parse_state(self, state: Any) -> PackPosition:
+    """A state's position, checked field by field and its samples re-created; nothing
+    changes here, so a malformed state (StateMismatchError naming the field) leaves the
+    iterator where it was."""
+    mixed = self._mix.parse_state(state)
+    counts = RowCounts.from_json(self.group_names, entry(state, "stats")).to_json()
+    keys = {"buffer": self._keys(state, "buffer", self._spec.max_buffer_size, mixed),
+            "carried": self._keys(state, "carried", self._most_carried(), mixed)}
+    seen = collections.Counter(key for field in keys.values() for key in field)
+    twice = [key for key, n in seen.items() if n > 1]
+    if twice:
+      raise StateMismatchError(f"state fields `buffer` and `carried` hold the sample "
+                               f"{list(twice[0])} {seen[twice[0]]} times")
+    samples = self._mix.recreate(keys["buffer"] + keys["carried"])
+    buffered = len(keys["buffer"])
+    return PackPosition(mixed, tuple(samples[:buffered]), tuple(samples[buffered:]), counts)
+
+  def _most_carried(self) -> int:
+    """More than the rules can carry: one per mandatory group and one from the fill, per row,
+    for as many rows as the buffer holds samples."""
+    return self._spec.max_buffer_size + len(self.group_names) + 1
+
+  def _keys(self, state: Any, field: str, most: int,
+            mixed: MixPosition) -> list[tuple[int, int]]:
+    """(group, index) of each sample a state's `field` lists: drawn before it was saved."""
+    keys = []
+    for k, key in enumerate(sequence(entry(state, field), field, most=most)):
+      group, index = sequence(key, f"{field}[{k}]", length=2)
+      group = whole(group, f"{field}[{k}][0]", greatest=len(self.group_names) - 1)
+      index = whole(index, f"{field}[{k}][1]", greatest=mixed.next_index[group] - 1)
+      keys.append((group, index))
+    return keys
+
+  def state_of(self, position: PackPosition) -> dict[str, Any]:
+    mixed = self._mix.state_of(position.mix)
     return {"next_index": mixed["next_index"], "draws": mixed["draws"],
-            "buffer": [[s.key.group, s.key.index] for s in self._buffer],
-            "carried": [[s.key.group, s.key.index] for s in self._carried],
-            "stats": stats.merged(mixed["stats"], self._counts.to_json())}
+            "buffer": [[s.key.group, s.key.index] for s in position.buffer],
+            "carried": [[s.key.group, s.key.index] for s in position.carried],
+            "stats": stats.merged(mixed["stats"], position.counts)}
+
+  def get_state(self) -> dict[str, Any]:
+    return self.state_of(self.position())
 
   def set_state(self, state: dict[str, Any]) -> None:
-    self._mix.set_state(state)
-    self._counts = RowCounts.from_json(self.group_names, state["stats"])
-    self._buffer = collections.deque(self._mix.recreate(state["buffer"]))
-    self._carried = collections.deque(self._mix.recreate(state["carried"]))
+    position = self.parse_state(state)
+    self.forget_prefetched()
+    self.restore(position)
 
-  def stats(self) -> dict[str, Any]:
-    """Counters for reports; they add up: drawn = packed + dropped + buffered + carried."""
-    report = stats.report(self.get_state()["stats"])
-    report["buffered"] = len(self._buffer)
-    report["carried"] = len(self._carried)
-    report["epoch"] = self._mix.epochs()
+  def forget_prefetched(self) -> None:
+    self._mix.forget_prefetched()
+
+  def stats(self, position: PackPosition | None = None) -> dict[str, Any]:
+    """Counters for reports (at `position`, default now); they add up: drawn = packed +
+    dropped + buffered + carried."""
+    position = self.position() if position is None else position
+    report = stats.report(self.state_of(position)["stats"])
+    report["buffered"] = len(position.buffer)
+    report["carried"] = len(position.carried)
+    report["epoch"] = self._mix.epochs(position.mix)
     return report
 
   def __str__(self) -> str:

@@ -9,7 +9,9 @@ after a resize the shards a process inherits catch up with each other first.
 
 State: per served shard, its row count, whether it ended, and its packing stage's
 state; the checkpoint splits it into one file per shard (`split_state`) and any
-process count re-assembles the files it needs (`joined_states`).
+process count re-assembles the files it needs (`joined_states`). An
+`InterleavePosition` holds all of it by value, for the batching stage to put a
+step back.
 """
 
 from __future__ import annotations
@@ -23,9 +25,10 @@ import grain
 from bagel_grain.errors import StateMismatchError
 from bagel_grain.packing import stats
 from bagel_grain.packing.mix import ElementFetcher, FetcherFactory, MixDataset, MixSpec
-from bagel_grain.packing.pack import PackDataset, PackIterator, PackSpec
+from bagel_grain.packing.pack import PackDataset, PackIterator, PackPosition, PackSpec
 from bagel_grain.packing.prepare import PreparedSample
 from bagel_grain.packing.stage import StageIterator
+from bagel_grain.packing.state import entry, mapping, whole
 
 _SHARD_KEYS = ("shard", "rows", "ended", "packer")  # a shard's part of a saved state
 
@@ -36,6 +39,16 @@ class ShardMix:
 
   groups: Sequence[grain.MapDataset]
   spec: MixSpec
+
+
+@dataclasses.dataclass(frozen=True)
+class InterleavePosition:
+  """Where the interleaving stage stands: per served shard, its packer's position and its
+  row count, and which shards ended."""
+
+  packers: tuple[tuple[int, PackPosition], ...]
+  rows: tuple[tuple[int, int], ...]
+  ended: frozenset[int]
 
 
 class _GroupsFrom:
@@ -119,34 +132,74 @@ class ShardInterleaveIterator(StageIterator):
       self._rows[shard] += 1
       return row
 
-  def get_state(self) -> dict[str, Any]:
+  def position(self) -> InterleavePosition:
+    return InterleavePosition(tuple((s, it.position()) for s, it in self._packers.items()),
+                              tuple(self._rows.items()), frozenset(self._ended))
+
+  def restore(self, position: InterleavePosition) -> None:
+    """Back to `position` (one saved by `position()`, or made by `parse_state`)."""
+    for s, packer in position.packers:
+      self._packers[s].restore(packer)
+    self._rows = dict(position.rows)
+    self._ended = set(position.ended)
+
+  def state_of(self, position: InterleavePosition) -> dict[str, Any]:
+    rows = dict(position.rows)
     return {"logical_shards": self._shard_count,
-            "shards": {str(s): {"rows": self._rows[s], "ended": s in self._ended,
-                                "packer": it.get_state()} for s, it in self._packers.items()}}
+            "shards": {str(s): {"rows": rows[s], "ended": s in position.ended,
+                                "packer": self._packers[s].state_of(packer)}
+                       for s, packer in position.packers}}
+
+  def get_state(self) -> dict[str, Any]:
+    return self.state_of(self.position())
 
   def set_state(self, state: dict[str, Any]) -> None:
-    saved = state.get("logical_shards")
+    position = self.parse_state(state)
+    self.forget_prefetched()
+    self.restore(position)
+
+  def forget_prefetched(self) -> None:
+    next(iter(self._packers.values())).forget_prefetched()  # the shards share one fetcher
+
+  def parse_state(self, state: Any) -> InterleavePosition:
+    """A state's position, checked field by field (and each served shard's samples
+    re-created); nothing changes here, so a malformed state (StateMismatchError naming
+    the field) leaves the iterator where it was."""
+    saved = entry(state, "logical_shards")
     if saved != self._shard_count:
       raise StateMismatchError(
           f"the state was saved with {saved} logical shards and this pipeline has "
           f"{self._shard_count} (logical_shards: saved {saved}, now {self._shard_count}). "
           "Without `logical_shards` there is one per process, so the process count must "
           "stay the same; set `logical_shards` (a new stream) to resume on other counts.")
-    missing = [s for s in self._packers if str(s) not in state["shards"]]
+    shards = mapping(entry(state, "shards"), "shards")
+    missing = [s for s in self._packers if str(s) not in shards]
     if missing:
       raise StateMismatchError(
           f"the state holds no entry for logical shards {missing}, which this process serves "
-          f"(it holds {sorted(int(s) for s in state['shards'])}; a state saved before logical "
-          "shards holds only its own process's)")
+          f"(it holds {sorted(map(str, shards))}; a state saved before logical shards holds "
+          "only its own process's)")
+    packers, rows, ended = [], [], set()
     for s, packer in self._packers.items():
-      entry = state["shards"][str(s)]
-      packer.set_state(entry["packer"])
-      self._rows[s] = int(entry["rows"])
-    self._ended = {s for s in self._packers if state["shards"][str(s)]["ended"]}
+      field = f"shards.{s}"
+      shard = mapping(shards[str(s)], field)
+      rows.append((s, whole(entry(shard, "rows", f"{field}.rows"), f"{field}.rows")))
+      if not isinstance(entry(shard, "ended", f"{field}.ended"), bool):
+        raise StateMismatchError(f"state field `{field}.ended`: expected true or false, got "
+                                 f"{shard['ended']!r}")
+      if shard["ended"]:
+        ended.add(s)
+      try:
+        packers.append((s, packer.parse_state(entry(shard, "packer", f"{field}.packer"))))
+      except StateMismatchError as e:
+        raise StateMismatchError(f"logical shard {s}: {e}") from None
+    return InterleavePosition(tuple(packers), tuple(rows), frozenset(ended))
 
-  def stats(self) -> dict[str, Any]:
-    """The packers' counters summed over the served shards; a group's epoch is the lowest."""
-    reports = [packer.stats() for packer in self._packers.values()]
+  def stats(self, position: InterleavePosition | None = None) -> dict[str, Any]:
+    """The packers' counters summed over the served shards (at `position`, default now); a
+    group's epoch is the lowest."""
+    position = self.position() if position is None else position
+    reports = [self._packers[s].stats(packer) for s, packer in position.packers]
     total = stats.summed(reports)
     total["epoch"] = {g: min(r["epoch"][g] for r in reports) for g in reports[0]["epoch"]}
     return total

@@ -9,6 +9,9 @@ shows where the main process spends its time, stage by stage
 
 from __future__ import annotations
 
+import contextlib
+import signal
+import threading
 import time
 from typing import Any, Callable, TypeVar
 
@@ -71,3 +74,23 @@ def with_stage_timing(ds: grain.IterDataset) -> grain.IterDataset:
   options = grain.experimental.DatasetOptions(
       execution_tracking_mode=grain.experimental.ExecutionTrackingMode.STAGE_TIMING)
   return grain.experimental.WithOptionsIterDataset(ds, options)
+
+
+@contextlib.contextmanager
+def interrupts_held():
+  """Holds a Ctrl-C (SIGINT) back until the block is done: for steps that must not stop
+  half-way, such as putting a position back. Only the main thread receives it."""
+  if (threading.current_thread() is not threading.main_thread()
+      or signal.getsignal(signal.SIGINT) is None):  # a handler Python did not install
+    yield
+    return
+  received = []
+  previous = signal.signal(signal.SIGINT, lambda signum, frame: received.append(frame))
+  try:
+    yield
+  finally:
+    signal.signal(signal.SIGINT, previous)
+    if received and callable(previous):
+      previous(signal.SIGINT, received[0])
+    elif received and previous == signal.SIG_DFL:
+      signal.raise_signal(signal.SIGINT)

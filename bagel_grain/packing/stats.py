@@ -10,6 +10,9 @@ from __future__ import annotations
 import collections
 from typing import Any, Sequence
 
+from bagel_grain.errors import StateMismatchError
+from bagel_grain.packing.state import counter, entry, mapping, per_group, whole
+
 
 class DrawCounts:
   """The mixing stage's counters: records drawn and dropped per group, notes, decode work."""
@@ -41,16 +44,19 @@ class DrawCounts:
             "notes": {k: dict(v) for k, v in self.notes.items()}}
 
   @classmethod
-  def from_json(cls, group_names: Sequence[str], stats: dict[str, Any]) -> DrawCounts:
-    """Its counters out of a state's `stats` (the other stage's keys are left alone)."""
+  def from_json(cls, group_names: Sequence[str], stats: Any) -> DrawCounts:
+    """Its counters out of a state's `stats` (the other stage's keys are left alone);
+    StateMismatchError naming the field when they are malformed."""
     out = cls(group_names)
-    out.image_tokens = int(stats["image_tokens"])
-    for name, counts in stats["counts"].items():
-      if "drawn" in counts:
-        out.drawn_by[name] = int(counts["drawn"])
+    stats = mapping(stats, "stats")
+    out.image_tokens = whole(entry(stats, "image_tokens", "stats.image_tokens"),
+                             "stats.image_tokens")
+    for name, n in _group_counts(stats, out._names, "drawn").items():
+      out.drawn_by[name] = n
     for field in ("drops", "notes"):
-      for name, counter in stats[field].items():
-        getattr(out, field)[name].update({k: int(v) for k, v in counter.items()})
+      groups = per_group(entry(stats, field, f"stats.{field}"), f"stats.{field}", out._names)
+      for name, counts in groups.items():
+        getattr(out, field)[name].update(counter(counts, f"stats.{field}.{name}"))
     return out
 
 
@@ -80,15 +86,34 @@ class RowCounts:
             "missing_mandatory": dict(self.missing_mandatory)}
 
   @classmethod
-  def from_json(cls, group_names: Sequence[str], stats: dict[str, Any]) -> RowCounts:
-    """Its counters out of a state's `stats` (the other stage's keys are left alone)."""
+  def from_json(cls, group_names: Sequence[str], stats: Any) -> RowCounts:
+    """Its counters out of a state's `stats` (the other stage's keys are left alone);
+    StateMismatchError naming the field when they are malformed."""
     out = cls(group_names)
-    out.rows, out.tokens = int(stats["rows"]), int(stats["tokens"])
-    for name, counts in stats["counts"].items():
-      if "packed" in counts:
-        out.packed_by[name] = int(counts["packed"])
-    out.missing_mandatory.update({k: int(v) for k, v in stats["missing_mandatory"].items()})
+    stats = mapping(stats, "stats")
+    out.rows = whole(entry(stats, "rows", "stats.rows"), "stats.rows")
+    out.tokens = whole(entry(stats, "tokens", "stats.tokens"), "stats.tokens")
+    for name, n in _group_counts(stats, out._names, "packed").items():
+      out.packed_by[name] = n
+    missing = counter(entry(stats, "missing_mandatory", "stats.missing_mandatory"),
+                      "stats.missing_mandatory")
+    unknown = set(missing) - set(out._names)
+    if unknown:
+      raise StateMismatchError(f"state field `stats.missing_mandatory`: unknown groups "
+                               f"{sorted(unknown)}")
+    out.missing_mandatory.update(missing)
     return out
+
+
+def _group_counts(stats: Any, names: Sequence[str], key: str) -> dict[str, int]:
+  """Per group, the count `key` of `stats.counts` (absent: none)."""
+  counts = per_group(entry(stats, "counts", "stats.counts"), "stats.counts", names)
+  out = {}
+  for name in names:
+    entries = mapping(counts[name], f"stats.counts.{name}")
+    if key in entries:
+      out[name] = whole(entries[key], f"stats.counts.{name}.{key}")
+  return out
 
 
 def merged(draws: dict[str, Any], rows: dict[str, Any]) -> dict[str, Any]:
