@@ -337,5 +337,5 @@ def test_empty_parquet_names_the_group_and_folder(demo_dir, demo_tokenizer, tmp_
 
 def test_fewer_records_than_processes_names_the_group(demo_config, demo_tokenizer):
   with pytest.raises(DatasetError, match=r"group 't2i_pretrain' has 76 records, fewer than the "
-                     r"100 processes that share it"):
+                     r"100 logical shards that share it \(one per process.*'demo_t2i'.*has 76"):
     build_pipeline(demo_config, demo_tokenizer, process_index=0, process_count=100)

@@ -10,6 +10,7 @@ import pytest
 
 from bagel_grain import build_pipeline, pipeline_stats
 from bagel_grain.errors import GroupExhaustedError, StateMismatchError
+from bagel_grain.packing.fetch import Fetcher
 from resume import assert_resumes_identically, assert_same_elements, take
 
 
@@ -189,3 +190,28 @@ def test_a_field_that_shapes_the_stream_is_named_when_it_changed(demo_config, de
                                                  r"config.text_cond_dropout_prob: saved 0.1, "
                                                  r"now 0.5\)"):
       it.set_state(state)
+
+
+def test_an_interrupted_next_of_two_logical_shards_loses_nothing(demo_config, demo_tokenizer,
+                                                                monkeypatch):
+  cfg = dataclasses.replace(demo_config, logical_shards=2)  # both served by this process
+  with pipeline(cfg, demo_tokenizer, batch_size=2)() as it:
+    want = [b["sample_keys"] for b in take(it, 8)]
+  calls, get = [0], Fetcher.get
+
+  def interrupting(self, group, index):
+    calls[0] += 1
+    if calls[0] in (3, 11, 12, 20, 34, 50, 77):  # at different points of different batches
+      raise KeyboardInterrupt
+    return get(self, group, index)
+
+  monkeypatch.setattr(Fetcher, "get", interrupting)
+  got = []
+  with pipeline(cfg, demo_tokenizer, batch_size=2)() as it:
+    while len(got) < len(want):
+      before = it.get_state()
+      try:
+        got.append(next(it)["sample_keys"])
+      except KeyboardInterrupt:
+        assert it.get_state() == before
+  assert got == want and calls[0] > 77

@@ -225,6 +225,9 @@ def joined_states(parts: Iterable[dict[str, Any]]) -> dict[str, Any]:
   """Parts of `split_state` (from any processes) as one state; they must agree on the rest."""
   common, shards = None, {}
   for part in parts:
+    part = mapping(part, "state")
+    for key in _SHARD_KEYS:
+      entry(part, key)
     rest = {k: v for k, v in part.items() if k not in _SHARD_KEYS}
     if common is None:
       common = rest
