@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import threading
+
 import numpy as np
 
 from bagel_grain import fs
 from bagel_grain.sources import sidecar
+
+_LOADING = threading.Lock()  # a source is loaded once, whichever thread reads it first
 
 
 class JsonlLineSource:
@@ -32,20 +36,23 @@ class JsonlLineSource:
     self._file = None
 
   def _load(self) -> None:
-    if self._line is not None:
+    if self._length is not None:  # set last: the arrays are all there
       return
-    first, last = self._span
-    if self._seed is None:
-      lines = np.arange(first, last, dtype=np.int64)
-    else:
-      lines = self._index.order(self._seed, first, last)
-    starts, lengths = self._index.spans(lines)
-    small = self._index.count < 2**31
-    self._line = lines.astype(np.int32 if small else np.int64)
-    self._start = starts
-    self._length = lengths.astype(np.uint32 if len(lengths) == 0 or lengths.max() < 2**32
-                                  else np.int64)
-    self._index = None  # shared with the source it was restricted from: not closed here
+    with _LOADING:
+      if self._length is not None:
+        return
+      first, last = self._span
+      if self._seed is None:
+        lines = np.arange(first, last, dtype=np.int64)
+      else:
+        lines = self._index.order(self._seed, first, last)
+      starts, lengths = self._index.spans(lines)
+      small = self._index.count < 2**31
+      self._line = lines.astype(np.int32 if small else np.int64)
+      self._start = starts
+      self._index = None  # shared with the source it was restricted from: not closed here
+      self._length = lengths.astype(np.uint32 if len(lengths) == 0 or lengths.max() < 2**32
+                                    else np.int64)
 
   def num_blocks(self) -> int:
     return self._span[1] - self._span[0]
@@ -58,7 +65,7 @@ class JsonlLineSource:
     part.__dict__.update(self.__dict__)
     part._span = (self._span[0] + first, self._span[0] + last)
     part._file = None
-    if self._line is None:
+    if self._length is None:
       part._load()
     else:  # loaded already: its index is gone, cut the arrays
       part._line, part._start, part._length = (a[first:last] for a in (
