@@ -34,7 +34,7 @@ bench: .bench_data/.complete
 	  --seconds 40 --json out/bench.json --plot out/bench.png
 
 test: $(STAMP)
-	$(PY) -m pytest -x tests
+	$(PY) -m pytest -x -n auto tests
 
 clean:
 	rm -rf $(VENV) .demo_data .bench_data out
