@@ -26,7 +26,7 @@ import psutil
 import pytest
 
 from bagel_grain.families.files import DiskFiles
-from bagel_grain.packing.fetch import Fetcher, WorkerError
+from bagel_grain.packing.fetch import WORKER_NICENESS, Fetcher, WorkerError
 from bagel_grain.pipeline import build_pipeline
 from deadline import deadline
 from slow_elements import StallsInWorkers
@@ -58,6 +58,20 @@ def test_inline_fetcher_computes_what_it_is_asked_for():
   assert [a.tolist() for a in fetcher.get_many([(0, 2), (1, 1)])] == [[4] * 3, [1] * 3]
   fetcher.close()
   fetcher.close()
+
+
+def test_workers_run_at_a_lower_priority_than_the_main_process():
+  # They work ahead; the main process (packer, trainer) is the critical path, and on a
+  # busy host starting workers must not slow its first batch.
+  with deadline(120):
+    fetcher = Fetcher([Squares(8)], workers=2, depths=[2])
+    try:
+      assert fetcher.get(0, 3)[0] == 9
+      mine = os.getpriority(os.PRIO_PROCESS, 0)
+      assert [os.getpriority(os.PRIO_PROCESS, p.pid) for p in workers_alive()] == [
+          min(19, mine + WORKER_NICENESS)] * 2
+    finally:
+      fetcher.close()
 
 
 def test_workers_give_the_same_elements_in_any_order_then_fail_clearly_and_leave():

@@ -54,6 +54,7 @@ _MIN_START_TIMEOUT_S = 120.0  # importing the main script on a busy host can tak
 _JOBS_PER_WORKER = 4  # handed out ahead, so a worker never idles between results
 _POLL_S = 1.0
 _SOCKET_BUFFER = 4 << 20
+WORKER_NICENESS = 10  # added to the main process's niceness for each worker
 _GUARD_HINT = (
     "the script that builds the pipeline probably lacks an `if __name__ == \"__main__\":` "
     "guard (worker processes are spawned: each re-imports the main script, and an "
@@ -129,6 +130,17 @@ def _worker_main(conn: Connection) -> None:
     return  # the main process closed our socket or went away
 
 
+def _lower_priority(pid: int) -> None:
+  """Workers run `WORKER_NICENESS` below the main process: they work ahead, while the
+  main process (packer, trainer) is the critical path. On a host with fewer free cores
+  than processes, starting workers then no longer slow the main process's first batch."""
+  try:
+    mine = os.getpriority(os.PRIO_PROCESS, 0)
+    os.setpriority(os.PRIO_PROCESS, pid, min(19, mine + WORKER_NICENESS))
+  except OSError:
+    pass  # the system refuses: the worker keeps our priority, only slower to start
+
+
 class _Worker:
   """A worker process and what the pump knows of it."""
 
@@ -136,6 +148,7 @@ class _Worker:
     self.conn, child = ctx.Pipe()
     self.process = ctx.Process(target=_worker_main, args=(child,), daemon=True)
     self.process.start()
+    _lower_priority(self.process.pid)
     child.close()
     _widen(self.conn)
     self.stage = "starting"  # -> "loading" (said hello) -> "ready" (datasets loaded)
