@@ -1,12 +1,17 @@
 """Soak run: the pipeline with worker processes for minutes on demo data with injected bad records.
 
 Writes a corrupted copy of the demo data (a `--bad-fraction` of T2I images, edit
-chains and VLM lines replaced by bad ones), then pulls batches for the given time.
-Every `--report-every` seconds it prints the elapsed time, rows, the RSS of the
-main process and of each worker (MiB), and the packer's counters with whether
-they balance (drawn = packed + dropped + buffered + carried). At the end it prints
-a JSON summary; the exit status is 1 when the counters ever failed to balance,
-the stream stopped with an error, or a worker process was replaced.
+chains and VLM lines replaced by bad ones) with a few hostile records besides (a
+few megabytes of text in a caption, an instruction and a VLM turn, an image file
+larger than `max_image_bytes`, a FIFO where an image should be, a 16-bit grey
+PNG of 9 Mpx), then pulls batches for the given time. Every `--report-every`
+seconds it prints the elapsed time, rows, the RSS of the main process and of
+each worker (MiB), and the packer's counters with whether they balance (drawn =
+packed + dropped + buffered + carried). At the end it prints a JSON summary with
+each process's first, last and peak RSS and how much its peak grew from the
+first half of the run to the second; the exit status is 1 when the counters ever
+failed to balance, the stream stopped with an error, or a worker process was
+replaced.
 
     python tools/soak.py --minutes 10
     python tools/soak.py --seconds 20 --report-every 5      # a quick smoke run
@@ -16,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import shutil
 import sys
@@ -23,10 +29,12 @@ import tempfile
 import time
 from pathlib import Path
 
+import numpy as np
 import psutil
 import pyarrow as pa
 import pyarrow.parquet as pq
 import yaml
+from PIL import Image
 
 ROOT = Path(__file__).resolve().parents[1]
 GARBAGE = b"soak: these bytes are not an image"
@@ -37,6 +45,25 @@ BAD_LINES = (  # VLM lines, each one a different kind of bad record
     '{"image": "images/soak_garbage.png", "conversations": %s}' % _TURNS,
     '{"image": "images/soak_missing.png", "conversations": %s}' % _TURNS,
 )
+BIG_TEXT = "hostile " * 640_000  # 5 MiB: more than any sample holds (text_too_long)
+HOSTILE_LINES = (  # VLM lines a hostile user writes, each once per epoch
+    '{"image": "images/soak_huge.png", "conversations": %s}' % _TURNS,  # file_too_large
+    '{"image": "images/soak_fifo.png", "conversations": %s}' % _TURNS,  # not_a_regular_file
+    '{"image": "images/soak_grey16.png", "conversations": %s}' % _TURNS,  # packed: 9 Mpx
+    json.dumps({"image": "images/soak_garbage.png", "conversations": [
+        {"from": "human", "value": "<image>" + BIG_TEXT}, {"from": "gpt", "value": "?"}]}),
+)
+MAX_IMAGE_BYTES = 128 << 20  # the config's default: soak_huge.png is one byte more
+
+
+def _hostile_files(images: Path) -> None:
+  """The files HOSTILE_LINES name: sparse, special, large to decode."""
+  with open(images / "soak_huge.png", "wb") as f:
+    f.truncate(MAX_IMAGE_BYTES + 1)  # sparse: no disk used
+  os.mkfifo(images / "soak_fifo.png")
+  ramp = np.linspace(0, 60000, 3000, dtype=np.float64)
+  Image.fromarray(np.add.outer(ramp, ramp[:2000]).astype(np.uint16) // 2).save(
+      images / "soak_grey16.png", compress_level=1)
 
 
 def _chosen(n: int, fraction: float, rng: random.Random) -> set[int]:
@@ -53,9 +80,14 @@ def _corrupt_parquet(src: Path, dst: Path, fraction: float, rng: random.Random) 
       rows[i]["image"] = GARBAGE
     else:  # an edit chain: every image, so whichever the chain starts on is bad
       rows[i]["image_list"] = [GARBAGE] * len(rows[i]["image_list"])
+  hostile = next(i for i in range(len(rows)) if i not in bad)  # megabytes of text
+  if "captions" in rows[hostile]:
+    rows[hostile]["captions"] = json.dumps({"long": BIG_TEXT})
+  else:
+    rows[hostile]["instruction_list"] = [[BIG_TEXT]] * len(rows[hostile]["instruction_list"])
   pq.write_table(pa.Table.from_pylist(rows, schema=meta.schema.to_arrow_schema()), dst,
                  row_group_size=meta.row_group(0).num_rows)
-  return len(bad)
+  return len(bad) + 1
 
 
 def corrupted_copy(demo: Path, out: Path, fraction: float, seed: int) -> dict[str, int]:
@@ -68,10 +100,13 @@ def corrupted_copy(demo: Path, out: Path, fraction: float, seed: int) -> dict[st
       injected[group] += _corrupt_parquet(src, out / folder / src.name, fraction, rng)
   shutil.copytree(demo / "vlm", out / "vlm")
   (out / "vlm" / "images" / "soak_garbage.png").write_bytes(GARBAGE)
+  _hostile_files(out / "vlm" / "images")
   lines = (out / "vlm" / "sft.jsonl").read_text().splitlines()
   for k, i in enumerate(sorted(_chosen(len(lines), fraction, rng))):
     lines[i] = BAD_LINES[k % len(BAD_LINES)]
     injected["vlm_sft"] += 1
+  lines += HOSTILE_LINES
+  injected["vlm_sft"] += len(HOSTILE_LINES) - 1  # the 16-bit image is a good record
   (out / "vlm" / "sft.jsonl").write_text("\n".join(lines) + "\n")
   info = {"t2i_pretrain": {"demo_t2i": {"data_dir": "t2i"}},
           "unified_edit": {"demo_edit": {"data_dir": "edit"}},
@@ -112,7 +147,8 @@ def soak(args) -> dict:
     injected = corrupted_copy(demo, tmp / "corrupted", args.bad_fraction, args.seed)
     raw = yaml.safe_load(Path(args.config).read_text())
     raw.update(dataset_info=str(tmp / "corrupted" / "dataset_info.yaml"),
-               tokenizer_path=str(demo / "tokenizer"), num_epochs=None)
+               tokenizer_path=str(demo / "tokenizer"), num_epochs=None,
+               max_image_bytes=MAX_IMAGE_BYTES)
     cfg = config_from_dict(raw, file=args.config, base_dir=str(Path(args.config).parent))
     tokenizer = load_tokenizer(demo / "tokenizer" / "tokenizer.json")
     it = iter(build_pipeline(cfg, tokenizer, batch_size=args.batch_size, workers=args.workers))
@@ -129,22 +165,22 @@ def _run(it, pipeline_stats, args, injected) -> dict:
   next_report = start + args.report_every
   rows = batches = 0
   balanced, error = True, None
-  main_rss, worker_rss, worker_pids = [], [], set()
+  rss: dict[str, list[tuple[float, float]]] = {}  # "main" or "worker <pid>": (seconds, MiB)
   stats = {}
 
-  def sample_memory():
-    workers = _workers(me)
-    worker_pids.update(p.pid for p in workers)
-    main_rss.append(_rss_mib(me))
-    worker_rss.append([_rss_mib(p) for p in workers])
-    return workers
+  def sample_memory(now):
+    rss.setdefault("main", []).append((now - start, _rss_mib(me)))
+    for p in _workers(me):
+      rss.setdefault(f"worker {p.pid}", []).append((now - start, _rss_mib(p)))
 
   def report(now):
-    sample_memory()
+    sample_memory(now)
     s = stats
     ok = s["drawn"] == s["packed"] + s["dropped"] + s["buffered"] + s["carried"]
-    print(f"[{now - start:7.1f} s] rows {rows:6d}  rss main {main_rss[-1]:6.0f} MiB  workers "
-          f"{' '.join(f'{r:.0f}' for r in worker_rss[-1]) or '-'} MiB  drawn {s['drawn']} = "
+    workers = [samples[-1][1] for name, samples in rss.items()
+               if name != "main" and samples[-1][0] == now - start]
+    print(f"[{now - start:7.1f} s] rows {rows:6d}  rss main {rss['main'][-1][1]:6.0f} MiB  "
+          f"workers {' '.join(f'{r:.0f}' for r in workers) or '-'} MiB  drawn {s['drawn']} = "
           f"packed {s['packed']} + dropped {s['dropped']} + buffered {s['buffered']} + "
           f"carried {s['carried']}: {'balanced' if ok else 'NOT BALANCED'}", flush=True)
 
@@ -161,6 +197,8 @@ def _run(it, pipeline_stats, args, injected) -> dict:
       if now >= next_report:
         report(now)
         next_report = now + args.report_every
+      elif batches % 10 == 0:
+        sample_memory(now)
   except KeyboardInterrupt:
     print("interrupted", flush=True)
   except Exception as e:  # the soak's verdict: any error that stops the stream is reported
@@ -173,7 +211,6 @@ def _run(it, pipeline_stats, args, injected) -> dict:
   time.sleep(0.5)
   left = [p.pid for p in _workers(me) if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
   drawn = stats.get("drawn", 0)
-  peaks = [max(r, default=0.0) for r in worker_rss]
   return {
       "seconds": round(elapsed, 1),
       "workers": args.workers,
@@ -187,16 +224,22 @@ def _run(it, pipeline_stats, args, injected) -> dict:
       "drop_fraction": round(stats.get("dropped", 0) / drawn, 4) if drawn else 0.0,
       "drops_by_reason": stats.get("drops_by_reason", {}),
       "epochs": stats.get("epoch", {}),
-      "rss_main_mib": {"first": round(main_rss[0], 1) if main_rss else 0.0,
-                       "last": round(main_rss[-1], 1) if main_rss else 0.0,
-                       "max": round(max(main_rss, default=0.0), 1)},
-      "rss_worker_mib": {"first": round(peaks[0], 1) if peaks else 0.0,
-                         "last": round(peaks[-1], 1) if peaks else 0.0,
-                         "max": round(max(peaks, default=0.0), 1)},
-      "worker_pids_seen": len(worker_pids),
+      "rss_mib": {name: _memory(samples, elapsed) for name, samples in rss.items()},
+      "worker_pids_seen": sum(1 for name in rss if name != "main"),
       "workers_left_after_close": left,
       "error": error,
   }
+
+
+def _memory(samples: list[tuple[float, float]], elapsed: float) -> dict[str, float]:
+  """A process's RSS over the run: first, last, peak, and how much the peak of the second
+  half exceeds that of the first (about 0 when memory is flat)."""
+  values = [mib for _, mib in samples]
+  first_half = [mib for t, mib in samples if t <= elapsed / 2] or values
+  second_half = [mib for t, mib in samples if t > elapsed / 2] or values
+  return {"first": round(values[0], 1), "last": round(values[-1], 1),
+          "max": round(max(values), 1),
+          "peak_growth": round(max(second_half) - max(first_half), 1)}
 
 
 def main(argv=None) -> int:
