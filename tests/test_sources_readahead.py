@@ -101,6 +101,30 @@ def test_files_a_record_names_are_read_ahead_for_the_file_store(tmp_path):
   assert str(tmp_path / "r1.png") in reads
 
 
+def test_what_was_read_ahead_for_indices_passed_over_is_let_go(tmp_path):
+  # With workers, a process is asked for every few indices of a group; what it read
+  # ahead for the others is never taken, and must not be held until the byte bound.
+  for name in ("r1", "r2", "r5"):
+    (tmp_path / f"{name}.png").write_bytes(b"x")
+  disk = DiskFiles(str(tmp_path))
+  ahead = ReadAhead(max_bytes=1 << 30)
+  ra = ReadAheadRecords(CountingRecords(40), files_of=lambda r: [disk.locate(f"{r}.png")],
+                        read_file=lambda path: b"read ahead", ahead=ahead, depth=5)
+  try:
+    assert ra[0] == "r0"
+    for i in range(1, 6):  # wait until records 1-5 and their files are read ahead
+      ahead._reads[("record", i)].result(timeout=30)
+    held = lambda: set(ahead._reads)
+    assert ("record", 3) in held() and ("file", disk.locate("r2.png")) in held()
+    assert ra[5] == "r5"  # 1-4 were computed elsewhere
+    assert not {("record", i) for i in range(1, 6)} & held()
+    assert ("file", disk.locate("r2.png")) not in held()
+    assert ("file", disk.locate("r5.png")) in held()  # the record asked keeps its file
+    assert {key for key in held() if key[0] == "record"} == {("record", i) for i in range(6, 11)}
+  finally:
+    ahead.close()
+
+
 def test_a_file_whose_read_ahead_failed_gives_the_usual_verdict(tmp_path):
   (tmp_path / "here.png").write_bytes(b"on disk")
 

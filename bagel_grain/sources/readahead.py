@@ -72,6 +72,14 @@ class ReadAhead:
             self._threads, thread_name_prefix="bagel-grain-readahead")
       self._reads[key] = self._pool.submit(read)
 
+  def forget(self, keys: Iterable[Hashable]) -> None:
+    """Drops reads that will not be taken (cancelled if not started yet)."""
+    with self._lock:
+      for key in keys:
+        future = self._reads.pop(key, None)
+        if future is not None:
+          future.cancel()
+
   def take(self, key: Hashable) -> Any | None:
     """The value read ahead for `key` (forgotten here), or None: not started, failed, late."""
     with self._lock:
@@ -104,7 +112,10 @@ class ReadAheadRecords(grain.MapDataset):
   `files_of(record)` names the files the family will read for a record; they are
   read ahead into `ahead` under ("file", path), where the family's file store
   takes them. Hints go forward from the highest index asked so far, so each
-  element is read ahead at most once per process.
+  element is read ahead at most once per process. A process is asked for a group's
+  elements in increasing order, so what was read ahead for an index below the one
+  asked is never taken (another worker computed it): it is forgotten, with its
+  files, rather than held until the byte bound pushes it out.
   """
 
   def __init__(self, records: grain.MapDataset, *, files_of: Callable[[Any], Iterable[str]],
@@ -113,10 +124,13 @@ class ReadAheadRecords(grain.MapDataset):
     self._records, self._files_of, self._read_file = records, files_of, read_file
     self.ahead, self._depth = ahead, depth
     self._hinted = -1  # the highest index whose read was started (or done by the consumer)
+    self._started: collections.deque[int] = collections.deque()  # read ahead, not yet asked
+    self._files: dict[int, list[str]] = {}  # the files read ahead for those indices
+    self._asked = -1  # the last index asked for
 
   def __getstate__(self):
     state = self.__dict__.copy()
-    state["_hinted"] = -1
+    state.update(_hinted=-1, _started=collections.deque(), _files={}, _asked=-1)
     return state
 
   def __len__(self) -> int:
@@ -127,18 +141,35 @@ class ReadAheadRecords(grain.MapDataset):
 
   def _read(self, index: int) -> tuple[Any, int]:
     record = self._records[index]
-    for path in self._files_of(record):
+    if index < self._asked:  # passed while it was read: nobody here will take its files
+      return record, 0
+    self._files[index] = paths = list(self._files_of(record))
+    for path in paths:
       self.ahead.start(("file", path), lambda p=path: _sized(self._read_file(p)))
     return record, _size(getattr(record, "fields", None))
+
+  def _forget_below(self, index: int) -> None:
+    self._asked = index
+    stale = []
+    while self._started and self._started[0] < index:
+      stale.append(("record", self._started.popleft()))
+    for passed in [i for i in list(self._files) if i < index]:  # read-ahead threads add keys
+      stale.extend(("file", path) for path in self._files.pop(passed, ()))
+    self.ahead.forget(stale)
 
   def __getitem__(self, index):
     if isinstance(index, slice):
       return self.slice(index)
+    self._forget_below(index)
     record = self.ahead.take(("record", index))
     if record is None:  # read here first: the sources load their arrays on the first read
       record = self._records[index]
+    if self._started and self._started[0] == index:
+      self._started.popleft()
+    self._files.pop(index, None)  # its files stay held: the consumer takes them next
     first, self._hinted = max(self._hinted, index) + 1, max(self._hinted, index + self._depth)
     for ahead in range(first, min(self._hinted + 1, len(self))):
+      self._started.append(ahead)
       self.ahead.start(("record", ahead), lambda i=ahead: self._read(i))
     return record
 
