@@ -28,7 +28,7 @@ from bagel_grain.errors import StateMismatchError
 from bagel_grain.packing.drop_policy import BadRecordLimits, DropPolicy
 from bagel_grain.packing.fetch import Fetcher
 from bagel_grain.packing.prepare import PreparedSample
-from bagel_grain.packing.stage import StageIterator
+from bagel_grain.packing.stage import PositionedStageIterator
 from bagel_grain.packing.state import entry, sequence, whole
 from bagel_grain.packing.stats import DrawCounts
 
@@ -117,7 +117,7 @@ class MixDataset(grain.IterDataset):
     return f"MixDataset(groups={self.spec.group_names})"
 
 
-class MixIterator(StageIterator):
+class MixIterator(PositionedStageIterator):
   """Each group's next usable sample, and weighted draws among the groups."""
 
   def __init__(self, groups: Sequence[grain.MapDataset], spec: MixSpec,
@@ -220,14 +220,6 @@ class MixIterator(StageIterator):
   def state_of(self, position: MixPosition) -> dict[str, Any]:
     return {"next_index": list(position.next_index), "draws": position.draws,
             "stats": copy.deepcopy(position.counts)}
-
-  def get_state(self) -> dict[str, Any]:
-    return self.state_of(self.position())
-
-  def set_state(self, state: dict[str, Any]) -> None:
-    position = self.parse_state(state)
-    self.forget_prefetched()
-    self.restore(position)
 
   def forget_prefetched(self) -> None:
     """Lets go of the elements computed ahead (before continuing from another position)."""

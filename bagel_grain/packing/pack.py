@@ -26,7 +26,7 @@ from bagel_grain.errors import StateMismatchError
 from bagel_grain.packing.mix import MixDataset, MixIterator, MixPosition
 from bagel_grain.packing.prepare import PreparedSample
 from bagel_grain.packing.row import Capacities, RowBuilder
-from bagel_grain.packing.stage import StageIterator
+from bagel_grain.packing.stage import PositionedStageIterator
 from bagel_grain.packing.state import entry, sequence, whole
 from bagel_grain.packing.stats import RowCounts
 
@@ -67,7 +67,7 @@ class PackDataset(grain.IterDataset):
     return "PackDataset"
 
 
-class PackIterator(StageIterator):
+class PackIterator(PositionedStageIterator):
   """The buffer, the carried samples and the row being filled; see the module docstring."""
 
   def __init__(self, mix: MixIterator, spec: PackSpec):
@@ -202,14 +202,6 @@ class PackIterator(StageIterator):
             "buffer": [[s.key.group, s.key.index] for s in position.buffer],
             "carried": [[s.key.group, s.key.index] for s in position.carried],
             "stats": stats.merged(mixed["stats"], position.counts)}
-
-  def get_state(self) -> dict[str, Any]:
-    return self.state_of(self.position())
-
-  def set_state(self, state: dict[str, Any]) -> None:
-    position = self.parse_state(state)
-    self.forget_prefetched()
-    self.restore(position)
 
   def forget_prefetched(self) -> None:
     self._mix.forget_prefetched()

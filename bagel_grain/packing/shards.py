@@ -27,7 +27,7 @@ from bagel_grain.packing import stats
 from bagel_grain.packing.mix import ElementFetcher, FetcherFactory, MixDataset, MixSpec
 from bagel_grain.packing.pack import PackDataset, PackIterator, PackPosition, PackSpec
 from bagel_grain.packing.prepare import PreparedSample
-from bagel_grain.packing.stage import StageIterator
+from bagel_grain.packing.stage import PositionedStageIterator
 from bagel_grain.packing.state import entry, mapping, whole
 
 _SHARD_KEYS = ("shard", "rows", "ended", "packer")  # a shard's part of a saved state
@@ -94,7 +94,7 @@ class ShardInterleaveDataset(grain.IterDataset):
     return f"ShardInterleaveDataset(shards={self.shards} of {self.shard_count})"
 
 
-class ShardInterleaveIterator(StageIterator):
+class ShardInterleaveIterator(PositionedStageIterator):
   """See the module docstring."""
 
   def __init__(self, shards: Mapping[int, ShardMix], pack: PackSpec, *, shard_count: int,
@@ -149,14 +149,6 @@ class ShardInterleaveIterator(StageIterator):
             "shards": {str(s): {"rows": rows[s], "ended": s in position.ended,
                                 "packer": self._packers[s].state_of(packer)}
                        for s, packer in position.packers}}
-
-  def get_state(self) -> dict[str, Any]:
-    return self.state_of(self.position())
-
-  def set_state(self, state: dict[str, Any]) -> None:
-    position = self.parse_state(state)
-    self.forget_prefetched()
-    self.restore(position)
 
   def forget_prefetched(self) -> None:
     next(iter(self._packers.values())).forget_prefetched()  # the shards share one fetcher

@@ -69,6 +69,19 @@ class StageIterator(grain.DatasetIterator):
         pass
 
 
+class PositionedStageIterator(StageIterator):
+  """A stage whose state is its position (`position`, `state_of`, `parse_state`, `restore`),
+  and whose `set_state` checks the whole state before it changes anything."""
+
+  def get_state(self) -> dict[str, Any]:
+    return self.state_of(self.position())
+
+  def set_state(self, state: dict[str, Any]) -> None:
+    position = self.parse_state(state)
+    self.forget_prefetched()
+    self.restore(position)
+
+
 def with_stage_timing(ds: grain.IterDataset) -> grain.IterDataset:
   """`ds` with Grain's stage timing switched on (what `StageIterator.stage_seconds` reads)."""
   options = grain.experimental.DatasetOptions(
