@@ -124,13 +124,12 @@ class ReadAheadRecords(grain.MapDataset):
     self._records, self._files_of, self._read_file = records, files_of, read_file
     self.ahead, self._depth = ahead, depth
     self._hinted = -1  # the highest index whose read was started (or done by the consumer)
-    self._started: collections.deque[int] = collections.deque()  # read ahead, not yet asked
+    self._asked = -1  # the last index asked for: (asked, hinted] are read ahead, not taken
     self._files: dict[int, list[str]] = {}  # the files read ahead for those indices
-    self._asked = -1  # the last index asked for
 
   def __getstate__(self):
     state = self.__dict__.copy()
-    state.update(_hinted=-1, _started=collections.deque(), _files={}, _asked=-1)
+    state.update(_hinted=-1, _asked=-1, _files={})
     return state
 
   def __len__(self) -> int:
@@ -149,10 +148,8 @@ class ReadAheadRecords(grain.MapDataset):
     return record, _size(getattr(record, "fields", None))
 
   def _forget_below(self, index: int) -> None:
+    stale = [("record", i) for i in range(self._asked + 1, min(index, self._hinted + 1))]
     self._asked = index
-    stale = []
-    while self._started and self._started[0] < index:
-      stale.append(("record", self._started.popleft()))
     for passed in [i for i in list(self._files) if i < index]:  # read-ahead threads add keys
       stale.extend(("file", path) for path in self._files.pop(passed, ()))
     self.ahead.forget(stale)
@@ -164,12 +161,9 @@ class ReadAheadRecords(grain.MapDataset):
     record = self.ahead.take(("record", index))
     if record is None:  # read here first: the sources load their arrays on the first read
       record = self._records[index]
-    if self._started and self._started[0] == index:
-      self._started.popleft()
     self._files.pop(index, None)  # its files stay held: the consumer takes them next
     first, self._hinted = max(self._hinted, index) + 1, max(self._hinted, index + self._depth)
     for ahead in range(first, min(self._hinted + 1, len(self))):
-      self._started.append(ahead)
       self.ahead.start(("record", ahead), lambda i=ahead: self._read(i))
     return record
 
