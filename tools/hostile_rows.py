@@ -36,8 +36,8 @@ cfg = load_shipped("demo", data)
 tokenizer = load_tokenizer(data / "tokenizer" / "tokenizer.json")
 names = [g.name for g in cfg.groups]
 
-def status(field):
-  return int(next(l for l in open("/proc/self/status") if l.startswith(field)).split()[1]) * 1024
+def status(field, pid="self"):
+  return int(next(l for l in open(f"/proc/{pid}/status") if l.startswith(field)).split()[1]) * 1024
 
 def measured(step):
   with open("/proc/self/clear_refs", "w") as f:
@@ -151,15 +151,13 @@ def _big_row_group_case(workers: int, row_group_mib: int) -> str:
       "info['t2i_pretrain']['demo_t2i'].update(num_files=3, num_total_samples=3 * rows)\n"
       "(copy / 'dataset_info.yaml').write_text(yaml.safe_dump(info))\n"
       "cfg = load_shipped('demo', copy)\n"
-      "def hwm(pid):\n"
-      "  line = next(l for l in open(f'/proc/{pid}/status') if l.startswith('VmHWM:'))\n"
-      "  return int(line.split()[1]) // 1024\n"
       "def peaks():\n"
       f"  it = iter(build_pipeline(cfg, tokenizer, batch_size=2, workers={workers}))\n"
       "  seen = []\n"
       "  for until in (30, 120):\n"
       "    while pipeline_stats(it)['rows'] < 2 * until:\n      next(it)\n"
-      "    seen.append([hwm('self')] + [hwm(p.pid) for p in psutil.Process().children()])\n"
+      "    seen.append([status('VmHWM:', p) // 2**20 for p in ['self'] + "
+      "[c.pid for c in psutil.Process().children()]])\n"
       "  it.close()\n"
       "  return f'peak MiB (main, workers...) at 30 batches {seen[0]}, at 120 {seen[1]}'\n"
       "measured(peaks)")
