@@ -30,7 +30,7 @@ class DatasetSpec:
   """One entry of `dataset_info`, paths already resolved.
 
   `array_record_path` (a file or a folder of `*.array_record` files written by
-  `bagel_grain.convert`) replaces the parquet files or the JSONL file. Such a
+  `bagel_grain.tooling.convert`) replaces the parquet files or the JSONL file. Such a
   dataset holds exactly the records the group reads: `num_used_data` and
   `shuffle_lines` were applied when it was converted and are not applied again.
   """

@@ -23,7 +23,7 @@ from bagel_grain.errors import ConfigError, DatasetError
 from bagel_grain.families.base import FamilyTransform
 from bagel_grain.packing.batch import BatchDataset, BatchIterator
 from bagel_grain.packing.drop_policy import DropPolicy
-from bagel_grain.packing.fetch import Fetcher
+from bagel_grain.workers import Fetcher
 from bagel_grain.packing.layout import Geometry
 from bagel_grain.packing.mix import MixDataset, MixSpec, read_ahead
 from bagel_grain.packing.pack import PackDataset, PackSpec

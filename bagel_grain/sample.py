@@ -11,6 +11,16 @@ ItemType = Literal["text", "vit_image", "vae_image"]
 
 
 @dataclasses.dataclass(frozen=True)
+class SpecialTokens:
+  """Ids of the tokens the packer inserts (upstream names in the comments)."""
+
+  bos: int  # bos_token_id = <|im_start|>
+  eos: int  # eos_token_id = <|im_end|>
+  start_of_image: int  # <|vision_start|>
+  end_of_image: int  # <|vision_end|>
+
+
+@dataclasses.dataclass(frozen=True)
 class PlanItem:
   """One entry of a sample's sequence plan, with upstream's field names."""
 

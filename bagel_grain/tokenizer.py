@@ -18,7 +18,7 @@ import tokenizers
 from bagel_grain import fs
 from bagel_grain.errors import ConfigError
 # One definition, shared with the packer that consumes the ids.
-from bagel_grain.packing.layout import SpecialTokens
+from bagel_grain.sample import SpecialTokens
 
 # Upstream's names for these ids: bos_token_id, eos_token_id, start_of_image, end_of_image.
 BOS_TOKEN = "<|im_start|>"

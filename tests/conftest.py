@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from bagel_grain import demo_data
+from bagel_grain.tooling import demo_data
 from bagel_grain.config import config_from_dict
 from bagel_grain.configs import load_shipped
 from bagel_grain.tokenizer import load_tokenizer

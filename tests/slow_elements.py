@@ -1,4 +1,4 @@
-"""A dataset whose elements never finish in worker processes (for tests/test_fetch.py).
+"""A dataset whose elements never finish in worker processes (for tests/test_workers_fetcher.py).
 
 A module of its own, not a test module: spawned workers import it by name.
 """

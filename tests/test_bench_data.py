@@ -10,7 +10,7 @@ import pytest
 import yaml
 from PIL import Image
 
-from bagel_grain import bench_data
+from bagel_grain.tooling import bench_data
 
 
 @pytest.fixture

@@ -16,7 +16,7 @@ import pytest
 import yaml
 from PIL import Image
 
-from bagel_grain import cli
+from bagel_grain.tooling import cli
 from bagel_grain.errors import ConfigError
 
 CONFIGS = Path(__file__).resolve().parents[1] / "bagel_grain" / "configs"  # the shipped demo.yaml
@@ -196,7 +196,7 @@ def test_the_default_config_is_found_from_any_directory(install, demo_dir, tmp_p
   elsewhere.mkdir()
   env = dict(os.environ, PYTHONPATH=str(site))
   result = subprocess.run(
-      [sys.executable, "-m", "bagel_grain.cli", "demo", "--data", str(demo_dir), "--batches",
+      [sys.executable, "-m", "bagel_grain.tooling.cli", "demo", "--data", str(demo_dir), "--batches",
        "1", "--batch-size", "1", "--workers", "0"],
       cwd=elsewhere, env=env, capture_output=True, text=True, timeout=300, check=False)
   assert result.returncode == 0, result.stderr

@@ -9,7 +9,7 @@ import yaml
 
 from bagel_grain import fs
 from bagel_grain.config import config_from_dict, load_config
-from bagel_grain.convert import convert_config, convert_config_file
+from bagel_grain.tooling.convert import convert_config, convert_config_file
 from bagel_grain.errors import DatasetError
 from bagel_grain.pipeline import build_pipeline, family_transform, pipeline_stats
 from bagel_grain.sample import Sample

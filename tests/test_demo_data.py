@@ -11,7 +11,7 @@ import pytest
 import yaml
 from PIL import Image
 
-from bagel_grain import demo_data
+from bagel_grain.tooling import demo_data
 
 
 @pytest.fixture(scope="module")

@@ -8,7 +8,7 @@ from PIL import Image
 
 from bagel_grain.families.edit import EditTransform
 from bagel_grain.images import ImageTransform
-from bagel_grain.packing.layout import SpecialTokens
+from bagel_grain.sample import SpecialTokens
 from bagel_grain.sample import Sample
 from bagel_grain.sources.records import Record
 from golden import load_json

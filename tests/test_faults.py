@@ -75,7 +75,7 @@ CHILD_PRELUDE = textwrap.dedent("""
 """)
 
 KILL_CHILD = CHILD_PRELUDE + textwrap.dedent("""
-    from bagel_grain.packing.fetch import WorkerError
+    from bagel_grain.workers import WorkerError
     out = {}
     try:
       with deadline(60, "start"):

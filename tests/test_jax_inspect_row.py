@@ -7,7 +7,7 @@ import dataclasses
 import numpy as np
 from PIL import Image
 
-from bagel_grain.inspect_row import LEGEND, inspect_row, vae_images, vit_images
+from bagel_grain.tooling.inspect_row import LEGEND, inspect_row, vae_images, vit_images
 from bagel_grain.packing.layout import patchify
 from bagel_grain.packing.positions import flattened_position_ids
 from bagel_grain.pipeline import build_pipeline

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from bagel_grain.errors import UnsupportedOperationError
 from bagel_grain.packing import batch
-from bagel_grain.packing.fetch import Fetcher
+from bagel_grain.workers import Fetcher
 from bagel_grain.packing.row import RowBuilder, empty_row
 from packer_samples import CAPS, batched, groups_of, make_sample, packed
 from resume import assert_resumes_identically, take

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from bagel_grain.errors import StateMismatchError
-from bagel_grain.packing.fetch import Fetcher
+from bagel_grain.workers import Fetcher
 from bagel_grain.packing.mix import (
     MANDATORY_READ_AHEAD, MIN_READ_AHEAD, READ_AHEAD_PER_WORKER, draw_group, read_ahead)
 from packer_samples import make_sample, mixed
@@ -121,7 +121,7 @@ def test_recreating_a_key_that_no_longer_is_a_sample_is_refused():
 EXIT_SCRIPT = """
 import functools, sys
 sys.path.insert(0, {tests!r})
-from bagel_grain.packing.fetch import Fetcher
+from bagel_grain.workers import Fetcher
 from packer_samples import make_sample, mixed
 
 if __name__ == "__main__":

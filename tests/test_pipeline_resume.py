@@ -10,7 +10,7 @@ import pytest
 
 from bagel_grain import build_pipeline, pipeline_stats
 from bagel_grain.errors import GroupExhaustedError, StateMismatchError
-from bagel_grain.packing.fetch import Fetcher
+from bagel_grain.workers import Fetcher
 from resume import assert_resumes_identically, assert_same_elements, take
 
 

@@ -12,7 +12,7 @@ import yaml
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from bagel_grain import cli
+from bagel_grain.tooling import cli
 from bagel_grain.config import load_config
 from bagel_grain.configs import shipped_path
 from bagel_grain.errors import DatasetError

@@ -11,10 +11,10 @@ import pytest
 import tokenizers
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
-from bagel_grain import demo_data
+from bagel_grain.tooling import demo_data
 from bagel_grain.configs import shipped_path
 from bagel_grain.errors import ConfigError
-from bagel_grain.packing.layout import SpecialTokens
+from bagel_grain.sample import SpecialTokens
 from bagel_grain.tokenizer import BAGEL_TOKENS, Tokenizer, load_tokenizer
 
 SENTENCES = [

@@ -34,7 +34,7 @@ def measure(config: str | None, data: str, shards: int, processes: int, *, worke
   """One setting, in this process: throughput per window, peak RSS, state and buffers."""
   # pylint: disable=import-outside-toplevel
   import bagel_grain
-  from bagel_grain.bench import _RssSampler  # pylint: disable=protected-access
+  from bagel_grain.tooling.bench import _RssSampler  # pylint: disable=protected-access
   from bagel_grain.configs import load_shipped
   cfg = bagel_grain.load_config(config) if config else load_shipped("bench", data)
   cfg = dataclasses.replace(cfg, logical_shards=shards)

@@ -137,7 +137,7 @@ def _rss_mib(proc: psutil.Process) -> float:
 def soak(args) -> dict:
   # pylint: disable=import-outside-toplevel
   from bagel_grain.config import config_from_dict
-  from bagel_grain.demo_data import make_sample_data
+  from bagel_grain.tooling.demo_data import make_sample_data
   from bagel_grain.pipeline import build_pipeline, pipeline_stats
   from bagel_grain.tokenizer import load_tokenizer
 

@@ -168,7 +168,7 @@ def _index(config: dict, env: dict) -> float:
     yaml.safe_dump(config, f)
   start = time.perf_counter()
   try:
-    subprocess.run([sys.executable, "-m", "bagel_grain.cli", "index", f.name], check=True,
+    subprocess.run([sys.executable, "-m", "bagel_grain.tooling.cli", "index", f.name], check=True,
                    capture_output=True, env={**os.environ, **env, "PYTHONPATH": str(ROOT)})
   finally:
     os.unlink(f.name)
@@ -178,7 +178,7 @@ def _index(config: dict, env: dict) -> float:
 def startup(work: Path, shards: list[int], lines: list[int], delay_ms: float,
             local_only: bool = False) -> list[dict]:
   # pylint: disable=import-outside-toplevel
-  from bagel_grain.demo_data import write_tokenizer
+  from bagel_grain.tooling.demo_data import write_tokenizer
   from bagel_grain.storage_servers import LocalObjectStore
   tokenizer = work / "tokenizer"
   write_tokenizer(tokenizer)
@@ -218,8 +218,8 @@ def startup(work: Path, shards: list[int], lines: list[int], delay_ms: float,
 def throughput(work: Path, data: Path | None, seconds: float, delays: list[float],
                workers: list[int]) -> list[dict]:
   # pylint: disable=import-outside-toplevel
-  from bagel_grain import bench
-  from bagel_grain.bench_data import make_bench_data
+  from bagel_grain.tooling import bench
+  from bagel_grain.tooling.bench_data import make_bench_data
   from bagel_grain.config import load_config
   from bagel_grain.configs import shipped_path
   from bagel_grain.storage_servers import LocalObjectStore

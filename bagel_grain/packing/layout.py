@@ -9,7 +9,7 @@ import numpy as np
 
 from bagel_grain.packed_row import SplitMode, TokenType
 from bagel_grain.packing import positions
-from bagel_grain.sample import PlanItem
+from bagel_grain.sample import PlanItem, SpecialTokens
 
 
 @dataclasses.dataclass(frozen=True)
@@ -21,16 +21,6 @@ class Geometry:
   max_num_patch_per_side: int
   max_latent_size: int
   interpolate_pos: bool
-
-
-@dataclasses.dataclass(frozen=True)
-class SpecialTokens:
-  """Ids of the tokens the packer inserts (upstream names in the comments)."""
-
-  bos: int  # bos_token_id = <|im_start|>
-  eos: int  # eos_token_id = <|im_end|>
-  start_of_image: int  # <|vision_start|>
-  end_of_image: int  # <|vision_end|>
 
 
 @dataclasses.dataclass(frozen=True, eq=False)

@@ -26,7 +26,7 @@ import numpy as np
 from bagel_grain.drops import Dropped
 from bagel_grain.errors import StateMismatchError
 from bagel_grain.packing.drop_policy import BadRecordLimits, DropPolicy
-from bagel_grain.packing.fetch import Fetcher
+from bagel_grain.workers import Fetcher
 from bagel_grain.packing.prepare import PreparedSample
 from bagel_grain.packing.stage import PositionedStageIterator
 from bagel_grain.packing.state import entry, sequence, whole
@@ -36,7 +36,7 @@ _DRAW_STREAM = 0xD7A3  # separates group draws from every other use of the seed
 
 # How far past each group's next index the fetcher keeps elements in flight.
 MIN_READ_AHEAD = 2  # any group may be drawn next: its next elements are always under way
-# Shared among the groups by weight. A worker holds up to 4 jobs (fetch._JOBS_PER_WORKER);
+# Shared among the groups by weight. A worker holds up to 4 jobs (fetcher.JOBS_PER_WORKER);
 # twice that per worker keeps every worker busy while the packer takes finished results.
 READ_AHEAD_PER_WORKER = 8
 MANDATORY_READ_AHEAD = 1  # a mandatory group is also read once per row, whatever its weight
@@ -50,7 +50,7 @@ def read_ahead(weights: Sequence[float], mandatory: Sequence[bool], workers: int
 
 
 class ElementFetcher(Protocol):
-  """Elements of the groups' MapDatasets by (group, index); see `packing.fetch.Fetcher`."""
+  """Elements of the groups' MapDatasets by (group, index); see `workers.Fetcher`."""
 
   def get(self, group: int, index: int) -> Any: ...
 

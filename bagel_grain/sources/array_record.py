@@ -1,7 +1,7 @@
 """Random access to converted records in ArrayRecord files (true global shuffling).
 
 Each record is one framed row or line (see `framing`), written by
-`bagel_grain.convert`. Every record is its own block, so the order layer shuffles
+`bagel_grain.tooling.convert`. Every record is its own block, so the order layer shuffles
 them one by one across all files: no row-group locality is needed to read fast.
 """
 

@@ -20,13 +20,7 @@ even halfway through sending a result, closes the only writer of its socket, so
 the pump sees end-of-file or the process sentinel and the packer gets a
 WorkerError instead of hanging. After that the fetcher stays failed.
 
-Start-up: a worker is spawned with nothing but its socket (multiprocessing writes
-the process object into a pipe and blocks until the child reads it: a child that
-dies first, e.g. re-running a script without a `__main__` guard, would block the
-parent forever). It reports once it runs our code, and only then do the datasets,
-pickled once, go over its socket from a thread of their own. Workers ignore
-SIGINT (the main process decides what a Ctrl-C means) and leave quietly when the
-main process goes away.
+Starting and talking to a worker process: `workers/process.py`.
 """
 
 from __future__ import annotations
@@ -34,130 +28,20 @@ from __future__ import annotations
 import collections
 import multiprocessing
 import multiprocessing.process
-import multiprocessing.resource_tracker
 import os
 import pickle
-import signal
-import socket
 import threading
 import time
-import traceback
 import weakref
-from multiprocessing.connection import Connection, wait
+from multiprocessing.connection import wait
 from typing import Any, Callable, Sequence
 
-from bagel_grain.errors import BagelGrainError
 from bagel_grain.sources.readahead import close_read_ahead
+from bagel_grain.workers.process import GUARD_HINT, Worker, WorkerError, recv, start_workers
 
-DEFAULT_ELEMENT_TIMEOUT_S = 300.0
 _MIN_START_TIMEOUT_S = 120.0  # importing the main script on a busy host can take that long
-_JOBS_PER_WORKER = 4  # handed out ahead, so a worker never idles between results
+JOBS_PER_WORKER = 4  # handed out ahead, so a worker never idles between results
 _POLL_S = 1.0
-_SOCKET_BUFFER = 4 << 20
-WORKER_NICENESS = 10  # added to the main process's niceness for each worker
-_GUARD_HINT = (
-    "the script that builds the pipeline probably lacks an `if __name__ == \"__main__\":` "
-    "guard (worker processes are spawned: each re-imports the main script, and an "
-    "unguarded script starts the pipeline again there), or the script fails to import "
-    "in a fresh process. The worker's traceback is on stderr")
-
-
-class WorkerError(BagelGrainError):
-  """A worker process died, failed or stalled: the stream cannot continue."""
-
-
-def _send(conn: Connection, status: str, job: tuple[int, int], value: Any) -> None:
-  """Pickle protocol 5 with the arrays' buffers sent out of band: no copy into the pickle."""
-  buffers: list[pickle.PickleBuffer] = []
-  payload = pickle.dumps(value, protocol=5, buffer_callback=buffers.append)
-  conn.send((status, job, len(buffers)))
-  conn.send_bytes(payload)
-  for buffer in buffers:
-    conn.send_bytes(buffer.raw())
-
-
-def _recv(conn: Connection) -> tuple[str, tuple[int, int], Any]:
-  status, job, count = conn.recv()
-  payload = conn.recv_bytes()
-  buffers = [conn.recv_bytes() for _ in range(count)]
-  return status, tuple(job), pickle.loads(payload, buffers=buffers)  # arrays view the bytes
-
-
-def _widen(conn: Connection) -> None:
-  """Raises the socket's buffers, so a result of a few MiB crosses in a few writes."""
-  try:
-    with socket.fromfd(conn.fileno(), socket.AF_UNIX, socket.SOCK_STREAM) as sock:
-      for option in (socket.SO_SNDBUF, socket.SO_RCVBUF):
-        sock.setsockopt(socket.SOL_SOCKET, option, _SOCKET_BUFFER)
-  except OSError:
-    pass  # the system's limit stands; only slower
-
-
-def _worker_main(conn: Connection) -> None:
-  """A worker: says hello, loads its datasets, then computes (group, index) jobs.
-
-  It stops when told to (None) or when the main process is gone (end-of-file or a
-  broken socket), without a traceback either way.
-  """
-  signal.signal(signal.SIGINT, signal.SIG_IGN)
-  signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})  # blocked by our parent at spawn
-  signal.signal(signal.SIGTERM, signal.SIG_DFL)  # whatever the re-imported main script set
-  try:
-    _widen(conn)
-    conn.send(("hello", None, 0))
-    try:
-      datasets = pickle.loads(conn.recv_bytes())
-    except (EOFError, OSError):
-      return
-    except BaseException:  # pylint: disable=broad-except  # reported, then this worker ends
-      conn.send(("failed", None, 0))
-      conn.send_bytes(pickle.dumps(traceback.format_exc()))
-      return
-    conn.send(("ready", None, 0))
-    while True:
-      job = conn.recv()
-      if job is None:
-        return
-      group, index = job
-      try:
-        value = datasets[group][index]
-      except Exception:  # pylint: disable=broad-except  # reported, then the stream stops
-        conn.send(("error", job, 0))
-        conn.send_bytes(pickle.dumps(traceback.format_exc()))
-        continue
-      _send(conn, "ok", job, value)
-  except (EOFError, OSError):
-    return  # the main process closed our socket or went away
-
-
-def _lower_priority(pid: int) -> None:
-  """Workers run `WORKER_NICENESS` below the main process: they work ahead, while the
-  main process (packer, trainer) is the critical path. On a host with fewer free cores
-  than processes, starting workers then no longer slow the main process's first batch."""
-  try:
-    mine = os.getpriority(os.PRIO_PROCESS, 0)
-    os.setpriority(os.PRIO_PROCESS, pid, min(19, mine + WORKER_NICENESS))
-  except OSError:
-    pass  # the system refuses: the worker keeps our priority, only slower to start
-
-
-class _Worker:
-  """A worker process and what the pump knows of it."""
-
-  def __init__(self, ctx):
-    self.conn, child = ctx.Pipe()
-    self.process = ctx.Process(target=_worker_main, args=(child,), daemon=True)
-    self.process.start()
-    _lower_priority(self.process.pid)
-    child.close()
-    _widen(self.conn)
-    self.stage = "starting"  # -> "loading" (said hello) -> "ready" (datasets loaded)
-    self.since = time.monotonic()  # start of the current stage, or of the job in hand
-    self.jobs: collections.deque[tuple[int, int]] = collections.deque()
-
-  def describe_exit(self) -> str:
-    self.process.join(timeout=1)  # so that its exit code is known
-    return f"worker process {self.process.pid} exited (exit code {self.process.exitcode})"
 
 
 class _InlineFailure:
@@ -166,16 +50,6 @@ class _InlineFailure:
   def __init__(self, error: BaseException):
     self.error = error
 
-
-def _start_workers(ctx, count: int) -> list[_Worker]:
-  """Spawns workers with SIGINT blocked, so that they inherit it blocked until they ignore it."""
-  # Spawning the resource tracker unblocks SIGINT in this thread: let that happen first.
-  multiprocessing.resource_tracker.ensure_running()
-  old = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
-  try:
-    return [_Worker(ctx) for _ in range(count)]
-  finally:
-    signal.pthread_sigmask(signal.SIG_SETMASK, old)
 
 
 class Fetcher:
@@ -187,7 +61,7 @@ class Fetcher:
   """
 
   def __init__(self, datasets: Sequence[Any], *, workers: int, depths: Sequence[int],
-               timeout_s: float = DEFAULT_ELEMENT_TIMEOUT_S,
+               timeout_s: float,
                describe: Callable[[int, int], str] | None = None):
     self._datasets = list(datasets)
     self._depths = list(depths)
@@ -196,7 +70,7 @@ class Fetcher:
     self._pid = os.getpid()
     self._pending: dict[tuple[int, int], None] = {}  # wanted, not yet handed out (ordered)
     self._done: dict[tuple[int, int], Any] = {}
-    self._workers: list[_Worker] = []
+    self._workers: list[Worker] = []
     self._failure: str | None = None
     self._closed = False
     self._cond = threading.Condition()
@@ -212,7 +86,7 @@ class Fetcher:
             f"the pipeline's datasets cannot be sent to worker processes ({type(e).__name__}: "
             f"{e}); every dataset, transform and tokenizer must be picklable. Use workers=0 "
             "to decode in this process.") from e
-      self._workers = _start_workers(multiprocessing.get_context("spawn"), workers)
+      self._workers = start_workers(multiprocessing.get_context("spawn"), workers)
       self._payload = payload
       self._wake_reader, self._wake = multiprocessing.Pipe(duplex=False)
       self._pump = threading.Thread(target=self._run_pump, name="bagel-grain-fetch",
@@ -341,7 +215,7 @@ class Fetcher:
 
   def _dispatch(self) -> None:
     for w in self._workers:
-      while w.stage == "ready" and self._pending and len(w.jobs) < _JOBS_PER_WORKER:
+      while w.stage == "ready" and self._pending and len(w.jobs) < JOBS_PER_WORKER:
         key = next(iter(self._pending))
         del self._pending[key]
         try:
@@ -363,13 +237,13 @@ class Fetcher:
       elif w.jobs and now - w.since > self._timeout_s:
         self._fail(self._stalled(w.jobs[0], f"worker process {w.process.pid}"))
 
-  def _receive(self, w: _Worker, ready: list) -> bool:
+  def _receive(self, w: Worker, ready: list) -> bool:
     """Takes in what `w` sent, or notices its exit; False once the fetcher has failed."""
     if w.conn in ready:
       try:
         if w.stage != "ready":
           return self._starting(w, w.conn.recv()[0])
-        status, key, value = _recv(w.conn)
+        status, key, value = recv(w.conn)
       except (EOFError, OSError):
         return self._exited(w)
       with self._cond:
@@ -385,7 +259,7 @@ class Fetcher:
       return self._exited(w)
     return True
 
-  def _starting(self, w: _Worker, message: str) -> bool:
+  def _starting(self, w: Worker, message: str) -> bool:
     """A start-up message: hello (then its datasets go out), failed, or ready."""
     with self._cond:
       w.since = time.monotonic()
@@ -406,18 +280,18 @@ class Fetcher:
         return False
     return True
 
-  def _hand_over(self, w: _Worker) -> None:
+  def _hand_over(self, w: Worker) -> None:
     """Sends a worker its datasets; blocks only this thread while the worker reads."""
     try:
       w.conn.send_bytes(self._payload)
     except (OSError, ValueError):
       pass  # the worker exited (the pump reports it) or the fetcher was closed
 
-  def _exited(self, w: _Worker) -> bool:
+  def _exited(self, w: Worker) -> bool:
     with self._cond:
       if w.stage == "starting":
         self._fail(f"{w.describe_exit()} while starting, before it ran any bagel_grain "
-                   f"code: {_GUARD_HINT}.")
+                   f"code: {GUARD_HINT}.")
       elif w.stage == "loading":
         self._fail(f"{w.describe_exit()} while loading the pipeline's datasets (killed, or "
                    "out of memory?)")

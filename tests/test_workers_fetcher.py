@@ -26,7 +26,7 @@ import psutil
 import pytest
 
 from bagel_grain.families.files import DiskFiles
-from bagel_grain.packing.fetch import WORKER_NICENESS, Fetcher, WorkerError
+from bagel_grain.workers import WORKER_NICENESS, Fetcher, WorkerError
 from bagel_grain.pipeline import build_pipeline
 from deadline import deadline
 from slow_elements import StallsInWorkers
@@ -103,7 +103,7 @@ PRELUDE = textwrap.dedent("""
     import json, os, signal, sys, time
     import psutil
     from bagel_grain.configs import load_shipped
-    from bagel_grain.packing.fetch import WorkerError
+    from bagel_grain.workers import WorkerError
     from bagel_grain.pipeline import build_pipeline
     from bagel_grain.tokenizer import load_tokenizer
 

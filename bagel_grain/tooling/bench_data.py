@@ -25,7 +25,7 @@ import pyarrow.parquet as pq
 import yaml
 from PIL import Image
 
-from bagel_grain.demo_data import filler_sentence, write_tokenizer
+from bagel_grain.tooling.demo_data import filler_sentence, write_tokenizer
 
 SEED = 1536
 PHOTO_NAMES = ("astronaut.png", "brick.png", "camera.png", "chelsea.png", "coffee.png",

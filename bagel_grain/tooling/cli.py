@@ -17,7 +17,7 @@ import numpy as np
 
 
 def _make_sample_data(args) -> int:
-  from bagel_grain.demo_data import make_sample_data  # pylint: disable=import-outside-toplevel
+  from bagel_grain.tooling.demo_data import make_sample_data  # pylint: disable=import-outside-toplevel
   start = time.perf_counter()
   out = make_sample_data(args.dir)
   print(f"wrote demo data to {out} in {time.perf_counter() - start:.1f} s")
@@ -91,7 +91,7 @@ def _demo(args) -> int:
 
 
 def _make_bench_data(args) -> int:
-  from bagel_grain.bench_data import make_bench_data  # pylint: disable=import-outside-toplevel
+  from bagel_grain.tooling.bench_data import make_bench_data  # pylint: disable=import-outside-toplevel
   start = time.perf_counter()
   out = make_bench_data(args.dir, t2i_rows=args.t2i_rows, edit_rows=args.edit_rows,
                         vlm_rows=args.vlm_rows, log=_progress)
@@ -105,7 +105,7 @@ def _progress(line: str) -> None:
 
 def _bench(args) -> int:
   # pylint: disable=import-outside-toplevel
-  from bagel_grain import bench
+  from bagel_grain.tooling import bench
   from bagel_grain.tokenizer import load_tokenizer
 
   cfg = _config(args)
@@ -126,7 +126,7 @@ def _bench(args) -> int:
 
 
 def _inspect(args) -> int:
-  from bagel_grain.inspect_row import inspect_pipeline_row  # pylint: disable=import-outside-toplevel
+  from bagel_grain.tooling.inspect_row import inspect_pipeline_row  # pylint: disable=import-outside-toplevel
   os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
   print(inspect_pipeline_row(_config(args), args.out, index=args.index, seed=args.seed))
   print(f"wrote {args.out}")
@@ -150,7 +150,7 @@ def _index(args) -> int:
 
 
 def _convert(args) -> int:
-  from bagel_grain.convert import convert_config_file  # pylint: disable=import-outside-toplevel
+  from bagel_grain.tooling.convert import convert_config_file  # pylint: disable=import-outside-toplevel
   done = convert_config_file(args.config, args.out, records_per_shard=args.records_per_shard,
                              overwrite=args.overwrite, num_threads=args.threads)
   for d in done.datasets:

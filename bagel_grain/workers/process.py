@@ -1,0 +1,143 @@
+"""Worker processes: how one is spawned, started and told its jobs, and the wire format
+of its results (pickle protocol 5, arrays out of band, over a socket of its own).
+
+Start-up: a worker is spawned with nothing but its socket (multiprocessing writes
+the process object into a pipe and blocks until the child reads it: a child that
+dies first, e.g. re-running a script without a `__main__` guard, would block the
+parent forever). It reports once it runs our code, and only then do the datasets,
+pickled once, go over its socket (`Fetcher` sends them from a thread of its own).
+Workers ignore SIGINT (the main process decides what a Ctrl-C means), run at a
+lower priority, and leave quietly when the main process goes away.
+"""
+
+from __future__ import annotations
+
+import collections
+import multiprocessing.resource_tracker
+import os
+import pickle
+import signal
+import socket
+import time
+import traceback
+from multiprocessing.connection import Connection
+from typing import Any
+
+from bagel_grain.errors import BagelGrainError
+
+_SOCKET_BUFFER = 4 << 20
+WORKER_NICENESS = 10  # added to the main process's niceness for each worker
+GUARD_HINT = (
+    "the script that builds the pipeline probably lacks an `if __name__ == \"__main__\":` "
+    "guard (worker processes are spawned: each re-imports the main script, and an "
+    "unguarded script starts the pipeline again there), or the script fails to import "
+    "in a fresh process. The worker's traceback is on stderr")
+
+
+class WorkerError(BagelGrainError):
+  """A worker process died, failed or stalled: the stream cannot continue."""
+
+
+def send(conn: Connection, status: str, job: tuple[int, int], value: Any) -> None:
+  """Pickle protocol 5 with the arrays' buffers sent out of band: no copy into the pickle."""
+  buffers: list[pickle.PickleBuffer] = []
+  payload = pickle.dumps(value, protocol=5, buffer_callback=buffers.append)
+  conn.send((status, job, len(buffers)))
+  conn.send_bytes(payload)
+  for buffer in buffers:
+    conn.send_bytes(buffer.raw())
+
+
+def recv(conn: Connection) -> tuple[str, tuple[int, int], Any]:
+  status, job, count = conn.recv()
+  payload = conn.recv_bytes()
+  buffers = [conn.recv_bytes() for _ in range(count)]
+  return status, tuple(job), pickle.loads(payload, buffers=buffers)  # arrays view the bytes
+
+
+def _widen(conn: Connection) -> None:
+  """Raises the socket's buffers, so a result of a few MiB crosses in a few writes."""
+  try:
+    with socket.fromfd(conn.fileno(), socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+      for option in (socket.SO_SNDBUF, socket.SO_RCVBUF):
+        sock.setsockopt(socket.SOL_SOCKET, option, _SOCKET_BUFFER)
+  except OSError:
+    pass  # the system's limit stands; only slower
+
+
+def _worker_main(conn: Connection) -> None:
+  """A worker: says hello, loads its datasets, then computes (group, index) jobs.
+
+  It stops when told to (None) or when the main process is gone (end-of-file or a
+  broken socket), without a traceback either way.
+  """
+  signal.signal(signal.SIGINT, signal.SIG_IGN)
+  signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})  # blocked by our parent at spawn
+  signal.signal(signal.SIGTERM, signal.SIG_DFL)  # whatever the re-imported main script set
+  try:
+    _widen(conn)
+    conn.send(("hello", None, 0))
+    try:
+      datasets = pickle.loads(conn.recv_bytes())
+    except (EOFError, OSError):
+      return
+    except BaseException:  # pylint: disable=broad-except  # reported, then this worker ends
+      conn.send(("failed", None, 0))
+      conn.send_bytes(pickle.dumps(traceback.format_exc()))
+      return
+    conn.send(("ready", None, 0))
+    while True:
+      job = conn.recv()
+      if job is None:
+        return
+      group, index = job
+      try:
+        value = datasets[group][index]
+      except Exception:  # pylint: disable=broad-except  # reported, then the stream stops
+        conn.send(("error", job, 0))
+        conn.send_bytes(pickle.dumps(traceback.format_exc()))
+        continue
+      send(conn, "ok", job, value)
+  except (EOFError, OSError):
+    return  # the main process closed our socket or went away
+
+
+def _lower_priority(pid: int) -> None:
+  """Workers run `WORKER_NICENESS` below the main process: they work ahead, while the
+  main process (packer, trainer) is the critical path. On a host with fewer free cores
+  than processes, starting workers then no longer slow the main process's first batch."""
+  try:
+    mine = os.getpriority(os.PRIO_PROCESS, 0)
+    os.setpriority(os.PRIO_PROCESS, pid, min(19, mine + WORKER_NICENESS))
+  except OSError:
+    pass  # the system refuses: the worker keeps our priority, only slower to start
+
+
+class Worker:
+  """A worker process and what the pump knows of it."""
+
+  def __init__(self, ctx):
+    self.conn, child = ctx.Pipe()
+    self.process = ctx.Process(target=_worker_main, args=(child,), daemon=True)
+    self.process.start()
+    _lower_priority(self.process.pid)
+    child.close()
+    _widen(self.conn)
+    self.stage = "starting"  # -> "loading" (said hello) -> "ready" (datasets loaded)
+    self.since = time.monotonic()  # start of the current stage, or of the job in hand
+    self.jobs: collections.deque[tuple[int, int]] = collections.deque()
+
+  def describe_exit(self) -> str:
+    self.process.join(timeout=1)  # so that its exit code is known
+    return f"worker process {self.process.pid} exited (exit code {self.process.exitcode})"
+
+
+def start_workers(ctx, count: int) -> list[Worker]:
+  """Spawns workers with SIGINT blocked, so that they inherit it blocked until they ignore it."""
+  # Spawning the resource tracker unblocks SIGINT in this thread: let that happen first.
+  multiprocessing.resource_tracker.ensure_running()
+  old = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+  try:
+    return [Worker(ctx) for _ in range(count)]
+  finally:
+    signal.pthread_sigmask(signal.SIG_SETMASK, old)
