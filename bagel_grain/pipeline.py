@@ -29,7 +29,7 @@ from bagel_grain.packing.mix import MixDataset, MixSpec, read_ahead
 from bagel_grain.packing.pack import PackDataset, PackSpec
 from bagel_grain.packing.prepare import PrepareSample
 from bagel_grain.packing.row import Capacities, default_capacities
-from bagel_grain.packing.shards import ShardInterleaveDataset, ShardMix
+from bagel_grain.packing.shards import ShardInterleaveDataset
 from bagel_grain.sources import readahead
 from bagel_grain.sources.records import ConcatSource, ShuffledRecords
 
@@ -228,6 +228,9 @@ def build_pipeline(cfg: PipelineConfig, tokenizer, *, seed: int | None = None,
   drops = DropPolicy(max_num_tokens_per_sample=cfg.max_num_tokens_per_sample, capacities=caps,
                      max_consecutive_drops=cfg.max_consecutive_drops,
                      bad_record_window=cfg.bad_record_window, max_bad_ratio=cfg.max_bad_ratio)
+  pack = PackSpec(mandatory=mandatory, expected_num_tokens=cfg.expected_num_tokens,
+                  max_num_tokens=cfg.max_num_tokens, prefer_buffer_before=cfg.prefer_buffer_before,
+                  max_buffer_size=cfg.max_buffer_size, capacities=caps)
   shards, described = {}, []
   for s in served:
     records = [group_records(cfg, g, seed=order_seed, shard=s, shard_count=count,
@@ -235,18 +238,15 @@ def build_pipeline(cfg: PipelineConfig, tokenizer, *, seed: int | None = None,
     described += [(s, r) for r in records]  # in the fetcher's order of the groups
     groups = [prepared_samples(cfg, g, tokenizer, records[g], seed=seed, shard=s,
                                readers=len(served)) for g in range(len(cfg.groups))]
-    shards[s] = ShardMix(groups, MixSpec(
+    mixed = MixDataset(groups, MixSpec(
         group_names=tuple(g.name for g in cfg.groups), weights=weights,
         records_per_epoch=tuple(r.records_per_epoch for r in records), seed=seed,
         process_index=s, drops=drops))  # the weighted draws are keyed by the shard
+    shards[s] = PackDataset(mixed, pack)
   # One fetcher (one pool of workers) for all served shards; their read-ahead shares it.
   depths = read_ahead(weights, mandatory, workers / len(served))
   rows = ShardInterleaveDataset(
-      shards, PackSpec(mandatory=mandatory, expected_num_tokens=cfg.expected_num_tokens,
-                       max_num_tokens=cfg.max_num_tokens,
-                       prefer_buffer_before=cfg.prefer_buffer_before,
-                       max_buffer_size=cfg.max_buffer_size, capacities=caps),
-      shard_count=count,
+      shards, shard_count=count,
       fetcher=functools.partial(Fetcher, workers=workers, depths=depths * len(served),
                                 timeout_s=cfg.element_timeout_s,
                                 describe=functools.partial(_describe, cfg, described,

@@ -98,7 +98,7 @@ class BatchIterator(StageIterator):
       with self._position_lock:
         self._in_flight = start
       try:
-        return self._own_time(self._next_batch)
+        return self._stats.record_output_spec(self._own_time(self._next_batch))
       except StopIteration:
         raise  # the stream's end: what was drawn on the way (drops, say) is counted
       except BaseException:

@@ -23,7 +23,7 @@ import grain
 
 from bagel_grain.packing import stats
 from bagel_grain.errors import StateMismatchError
-from bagel_grain.packing.mix import MixDataset, MixIterator, MixPosition
+from bagel_grain.packing.mix import FetcherFactory, MixDataset, MixIterator, MixPosition
 from bagel_grain.packing.prepare import PreparedSample
 from bagel_grain.packing.row import Capacities, RowBuilder
 from bagel_grain.packing.stage import PositionedStageIterator
@@ -58,10 +58,15 @@ class PackDataset(grain.IterDataset):
 
   def __init__(self, mixed: MixDataset, spec: PackSpec):
     super().__init__(mixed)
+    self.mixed = mixed
     self.spec = spec
 
   def __iter__(self) -> PackIterator:
-    return PackIterator(self._parent.__iter__(), self.spec)
+    return self.iterator()
+
+  def iterator(self, fetcher: FetcherFactory | None = None) -> PackIterator:
+    """An iterator whose mixing stage reads through `fetcher` (default: its own)."""
+    return PackIterator(self.mixed.iterator(fetcher), self.spec)
 
   def __str__(self) -> str:
     return "PackDataset"
@@ -84,7 +89,7 @@ class PackIterator(PositionedStageIterator):
     return self._mix.group_names
 
   def __next__(self) -> tuple[PreparedSample, ...]:
-    return self._own_time(self._next_row)
+    return self._stats.record_output_spec(self._own_time(self._next_row))
 
   def _next_row(self) -> tuple[PreparedSample, ...]:
     self._row.reset()
