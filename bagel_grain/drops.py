@@ -40,6 +40,9 @@ class DropReason(enum.StrEnum):
   VIDEO_UNREADABLE = "video_unreadable"
   NOT_A_REGULAR_FILE = "not_a_regular_file"  # a FIFO, device or socket: never opened
   FILE_TOO_LARGE = "file_too_large"  # an image file over `max_image_bytes`: never read
+  # There, but storage refused it for good (access denied, a local I/O error); never a
+  # network failure, which is retried (`bagel_grain.storage`).
+  FILE_NOT_READABLE = "file_not_readable"
   # An image could not become pixels.
   BAD_IMAGE = "bad_image"
   TOO_MANY_PIXELS = "too_many_pixels"
@@ -64,7 +67,7 @@ IMAGE_REASONS = frozenset({DropReason.BAD_IMAGE, DropReason.TOO_MANY_PIXELS,
                            DropReason.TRUNCATED_IMAGE})
 FILE_REASONS = frozenset({DropReason.MISSING_FILE, DropReason.PATH_OUTSIDE_DATA_DIR,
                           DropReason.VIDEO_UNREADABLE, DropReason.NOT_A_REGULAR_FILE,
-                          DropReason.FILE_TOO_LARGE})
+                          DropReason.FILE_TOO_LARGE, DropReason.FILE_NOT_READABLE})
 
 
 @dataclasses.dataclass(frozen=True)

@@ -9,9 +9,8 @@ import pytest
 
 from bagel_grain import fs
 from bagel_grain.config import config_from_dict
-from bagel_grain.latency_proxy import LatencyProxy
+from object_store import LatencyProxy, LocalObjectStore
 from bagel_grain.pipeline import build_pipeline
-from bagel_grain.storage_servers import LocalObjectStore
 from bagel_grain.tokenizer import load_tokenizer
 from conftest import CONFIGS
 from shipped_demo import shipped_demo_raw

@@ -20,6 +20,7 @@ from bagel_grain.families.base import is_text
 from bagel_grain.images import DEFAULT_MAX_IMAGE_BYTES
 from bagel_grain.sources.framing import LineWithFiles
 from bagel_grain.sources.readahead import ReadAhead
+from bagel_grain.storage import RetryPolicy, is_transient
 
 _FRAME_NUMBER = re.compile(r"_(\d+)\.(?:jpe?g|png)$", re.IGNORECASE)
 
@@ -64,14 +65,20 @@ class DiskFiles:
   """Files under `data_dir`, local or remote (gs://, s3://); nothing outside it is read.
 
   Every byte comes through `read`, and every video through `open_video`: the one
-  place for checks on what a file may be before it is read.
+  place for checks on what a file may be before it is read. Storage's answers
+  are sorted there too: a definite one (no such file, not a regular file, too
+  large, refused) is a drop with its reason; a transient failure is retried
+  (`storage`, by default the read-ahead's) and past the deadline raises
+  `StorageUnavailableError`, never a drop.
   """
 
   def __init__(self, data_dir: str, ahead: ReadAhead | None = None,
-               max_image_bytes: int = DEFAULT_MAX_IMAGE_BYTES):
+               max_image_bytes: int = DEFAULT_MAX_IMAGE_BYTES,
+               storage: RetryPolicy | None = None):
     self.data_dir = data_dir
     self.ahead = ahead  # files read ahead under ("file", path), see `sources.readahead`
     self.max_image_bytes = max_image_bytes
+    self.storage = storage or (ahead.storage if ahead is not None else RetryPolicy())
 
   def locate(self, relative: Any) -> str:
     check_relative(relative)
@@ -98,21 +105,20 @@ class DiskFiles:
     """A whole video file's bytes (for the converter): any size, only a regular file."""
     return self._read(path, None)
 
-  @staticmethod
-  def _read(path: str, max_bytes: int | None) -> bytes:
+  def _read(self, path: str, max_bytes: int | None) -> bytes:
     try:
-      return fs.read_file(path, max_bytes)
+      return self.storage.call(path, lambda: fs.read_file(path, max_bytes))
     except fs.FileRefused as e:
       reason = DropReason.FILE_TOO_LARGE if e.regular else DropReason.NOT_A_REGULAR_FILE
       raise Drop(reason, str(e)) from None
     except OSError as e:
-      raise Drop(DropReason.MISSING_FILE, str(e)) from None
+      raise _definite(e, path) from None
 
   def list_frames(self, folder: str) -> list[str]:
     try:
-      listed = fs.list_files(folder)
+      listed = self.storage.call(folder, lambda: fs.list_files(folder))
     except OSError as e:
-      raise Drop(DropReason.MISSING_FILE, f"video folder {folder}: {e}") from None
+      raise _definite(e, f"video folder {folder}") from None
     frames = numbered_frames(listed, folder)
     if not fs.is_uri(folder):
       root = os.path.realpath(folder)
@@ -122,10 +128,23 @@ class DiskFiles:
     return frames
 
   def open_video(self, path: str) -> str:
-    kind = fs.kind(path)  # only a regular file is opened: opening a FIFO would wait forever
+    try:  # only a regular file is opened: opening a FIFO would wait forever
+      kind = self.storage.call(path, lambda: fs.kind(path))
+    except OSError as e:
+      raise _definite(e, path) from None
     require(kind != "missing", DropReason.MISSING_FILE, path)
     require(kind == "file", DropReason.NOT_A_REGULAR_FILE, f"{path} is a {kind}")
     return path  # PyAV opens the path itself
+
+
+def _definite(error: OSError, what: str) -> Exception:
+  """The drop for storage's definite answer about a file (a transient failure is raised
+  as it is: only a read ahead, which tries once, lets one through)."""
+  if is_transient(error):
+    return error
+  if isinstance(error, FileNotFoundError):
+    return Drop(DropReason.MISSING_FILE, f"{what}: {error}")
+  return Drop(DropReason.FILE_NOT_READABLE, f"{what}: {error}")
 
 
 class EmbeddedFiles:

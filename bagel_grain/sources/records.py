@@ -20,6 +20,7 @@ import pyarrow as pa
 from bagel_grain.drops import Drop, Dropped, DropReason
 from bagel_grain.errors import DatasetError
 from bagel_grain.sources.base import PartOffsets, RecordSource
+from bagel_grain.storage import RetryPolicy, is_transient
 
 
 @dataclasses.dataclass(frozen=True)
@@ -95,6 +96,12 @@ class ConcatSource:
     source, i = self._part(index)
     return source[i]
 
+  def record_bytes(self, index: int) -> int | None:
+    """The record's size in bytes when its source knows it unread (JSONL line offsets)."""
+    source, i = self._part(index)
+    size_of = getattr(source, "record_bytes", None)
+    return None if size_of is None else size_of(i)
+
 
 def block_share(num_blocks: int, shard_index: int, shard_count: int) -> tuple[int, int]:
   """Blocks [first, last) of one logical shard: `np.array_split`'s contiguous share, by
@@ -129,11 +136,17 @@ class ShuffledRecords(grain.MapDataset):
   blocks before anything per record is loaded: rows are numbered from the share's
   first block, a constant shift that leaves the order (a permutation of blocks,
   then of rows inside each) exactly as on the whole source.
+
+  A read that fails for good (the file is gone, or damaged) gives a record carrying
+  its drop; one that fails transiently is retried under `storage` and, past its
+  deadline, raises `StorageUnavailableError` (nothing dropped).
   """
 
   def __init__(self, source: ConcatSource, *, seed: int, shard_index: int = 0,
-               shard_count: int = 1, num_epochs: int | None = None):
+               shard_count: int = 1, num_epochs: int | None = None,
+               storage: RetryPolicy | None = None):
     super().__init__()
+    self._storage = storage or RetryPolicy()
     if source.num_blocks() >= shard_count:
       source = source.restrict(*block_share(source.num_blocks(), shard_index, shard_count))
       share = (0, 1)
@@ -213,6 +226,10 @@ class ShuffledRecords(grain.MapDataset):
     """The id of element `index`'s record, without reading it (for error messages)."""
     return self._source.record_id(self._source_index(index)[1])
 
+  def record_bytes(self, index: int) -> int | None:
+    """Element `index`'s size in bytes if known before reading it (for read-ahead's bound)."""
+    return self._source.record_bytes(self._source_index(index)[1])
+
   def __getitem__(self, index):
     if isinstance(index, slice):
       return self.slice(index)
@@ -220,8 +237,10 @@ class ShuffledRecords(grain.MapDataset):
     dataset, _ = self._source.locate(source_index)
     record_id = self._source.record_id(source_index)
     try:
-      fields = self._source[source_index]
+      fields = self._storage.call(f"record {record_id}", lambda: self._source[source_index])
     except (OSError, pa.ArrowException) as e:  # a file that became unreadable mid-run
+      if is_transient(e):  # a read ahead, which tries once: the consumer reads again
+        raise
       return Record(index, epoch, record_id, dataset,
                     error=Dropped(DropReason.UNREADABLE_FILE, str(e)))
     except Drop as e:  # the source's verdict on this one record
