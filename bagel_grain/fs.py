@@ -14,7 +14,7 @@ One filesystem object per scheme, bucket and environment is made per process
 and reused: a new S3 or GCS client for every read would cost a handshake each,
 and the client keeps its connections open between requests.
 
-The clients' own retries are kept short (S3: 2 attempts; GCS: 2 s) and a request
+The clients' own retries are off or short (S3: 1 attempt; GCS: 1 s) and a request
 that receives nothing for `REQUEST_TIMEOUT_S` is cut: the retries that wait out
 an outage are `storage.RetryPolicy`'s, which count them, log once per outage and
 stop at the configured deadline.
@@ -35,8 +35,8 @@ from pyarrow import fs as pafs
 
 REQUEST_TIMEOUT_S = 10.0  # a request that receives nothing for this long fails (transient)
 CONNECT_TIMEOUT_S = 5.0
-_CLIENT_ATTEMPTS = 2  # S3 client's own attempts per request, before ours
-_CLIENT_RETRY_S = 2  # GCS client's own retry time per request, before ours
+_CLIENT_ATTEMPTS = 1  # S3 client: no retry of its own, every failure reaches ours
+_CLIENT_RETRY_S = 1  # GCS client: its own retries end within a second, then ours
 _ENV = ("AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL", "AWS_DEFAULT_REGION", "AWS_REGION",
         "STORAGE_EMULATOR_HOST")
 

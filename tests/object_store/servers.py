@@ -123,6 +123,12 @@ class LocalObjectStore:
           out.write(f.read())
     return self.uri(prefix)
 
+  def upload_file(self, local_path, key: str) -> None:
+    """Copies one local file to `key` under the bucket."""
+    with open(local_path, "rb") as f, self.filesystem().open_output_stream(
+        f"{self.bucket}/{key}") as out:
+      out.write(f.read())
+
   def delete(self, key: str) -> None:
     """Deletes one object (a key under the bucket), directly on the server."""
     self.filesystem().delete_file(f"{self.bucket}/{key}")
