@@ -144,27 +144,34 @@ def element_scope() -> Iterator[ElementStorage]:
 
 
 class _Outage:
-  """One log line when reads start failing in this process, one when they succeed again."""
+  """One log line when reads start failing in this process, one when they are back: a
+  read that had failed succeeds (a read that never failed proves little: it may have
+  been served from a cache), or reads succeed with no failure for `_QUIET_S`."""
+
+  _QUIET_S = 10.0
 
   def __init__(self):
     self._lock = threading.Lock()
     self._since: float | None = None
+    self._last = 0.0
     self._failures = 0
 
   def failed(self, what: str, error: BaseException, timeout_s: float) -> None:
     with self._lock:
       self._failures += 1
+      self._last = time.monotonic()
       if self._since is not None:
         return
-      self._since = time.monotonic()
+      self._since = self._last
     log.warning("storage is failing (%s: %s); retrying with backoff for up to %g s per "
                 "element, the stream waits", what, _short(error), timeout_s)
 
-  def succeeded(self) -> None:
+  def succeeded(self, recovered: bool) -> None:
     if self._since is None:  # read without the lock: the common case costs nothing
       return
     with self._lock:
-      if self._since is None:
+      if self._since is None or (not recovered
+                                 and time.monotonic() - self._last < self._QUIET_S):
         return
       since, failures, self._since, self._failures = self._since, self._failures, None, 0
     log.warning("storage is back after %.1f s (%d failed attempts in this process)",
@@ -223,5 +230,5 @@ class RetryPolicy:
           _THREAD.spent.retries += 1
           _THREAD.spent.wait_s += time.monotonic() - tried
         continue
-      OUTAGE.succeeded()
+      OUTAGE.succeeded(recovered=attempt > 0)
       return value
