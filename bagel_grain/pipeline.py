@@ -31,7 +31,7 @@ from bagel_grain.packing.prepare import PrepareSample
 from bagel_grain.packing.row import Capacities, default_capacities
 from bagel_grain.packing.shards import ShardInterleaveDataset
 from bagel_grain.sources import readahead
-from bagel_grain.sources.records import ConcatSource, ShuffledRecords
+from bagel_grain.sources.records import ConcatSource, ShuffledRecords, dataset_roots
 
 
 def stream_seeds(cfg: PipelineConfig, seed: int | None = None) -> tuple[int, int]:
@@ -90,7 +90,8 @@ def group_source(cfg: PipelineConfig, group: int, *, readers: int = 1) -> Concat
   g = cfg.groups[group]
   return ConcatSource([g.family.source(g, d, readers=readers,
                                        row_group_cache_bytes=cfg.max_row_group_cache_bytes)
-                       for d in g.datasets])
+                       for d in g.datasets], names=[d.name for d in g.datasets],
+                      roots=[dataset_roots(d) for d in g.datasets])
 
 
 def _check_share(cfg: PipelineConfig, group: int, source: ConcatSource, shards: int) -> None:

@@ -9,6 +9,8 @@ inside each block, so a pass reads every row group once.
 from __future__ import annotations
 
 import dataclasses
+import os
+import posixpath
 import sys
 import threading
 from typing import Any, Sequence
@@ -35,15 +37,45 @@ class Record:
   error: Dropped | None = None
 
 
+def location_free_id(record_id: str, dataset: str, roots: Sequence[str | None]) -> str:
+  """`dataset/<path under its root>#row` (or `:line`) for a source's `record_id`: the same
+  whether the dataset lies on a local disk or in a bucket, so keys of runs on copies join.
+
+  `roots` are the folders a dataset's files may lie under (its `data_dir`, the folder of
+  its JSONL); the longest that prefixes the id is cut, else the folders above the file.
+  """
+  best = max((r.rstrip("/") for r in roots if r and record_id.startswith(r.rstrip("/") + "/")),
+             key=len, default=None)
+  if best is None:
+    path, sep, rest = _split_id(record_id)
+    return f"{dataset}/{posixpath.basename(path.replace(os.sep, '/'))}{sep}{rest}"
+  return f"{dataset}/{record_id[len(best) + 1:]}"
+
+
+def _split_id(record_id: str) -> tuple[str, str, str]:
+  """(file, separator, row or line) of `file#row` or `file:line`."""
+  for sep in ("#", ":"):
+    path, found, rest = record_id.rpartition(sep)
+    if found and rest.isdigit():
+      return path, sep, rest
+  return record_id, "", ""
+
+
 class ConcatSource:
   """Several datasets of one group, one after another; records know their dataset.
 
-  A `RecordSource` itself, plus `locate`: which dataset an index falls in.
+  A `RecordSource` itself, plus `locate`: which dataset an index falls in. Given
+  `names` (and `roots`, per dataset the folders its files lie under), record ids
+  are `name/<path under the root>`: independent of where the data lives
+  (`location_free_id`).
   """
 
-  def __init__(self, sources: Sequence[RecordSource], datasets: Sequence[int] | None = None):
+  def __init__(self, sources: Sequence[RecordSource], datasets: Sequence[int] | None = None,
+               *, names: Sequence[str] | None = None,
+               roots: Sequence[Sequence[str | None]] | None = None):
     self._sources = list(sources)
     self._datasets = list(range(len(self._sources)) if datasets is None else datasets)
+    self._names, self._roots = names, roots  # by dataset number
     self._part_offsets: PartOffsets | None = None  # lengths load sources: asked for late
 
   @property
@@ -74,7 +106,7 @@ class ConcatSource:
         parts.append(source.restrict(lo, hi))
         datasets.append(dataset)
       start += n
-    return ConcatSource(parts, datasets)
+    return ConcatSource(parts, datasets, names=self._names, roots=self._roots)
 
   def locate(self, index: int) -> tuple[int, int]:
     """(dataset number, index within that dataset)."""
@@ -89,8 +121,13 @@ class ConcatSource:
     return np.concatenate([s.block_sizes() for s in self._sources]).astype(np.int64)
 
   def record_id(self, index: int) -> str:
-    source, i = self._part(index)
-    return source.record_id(i)
+    part, i = self._offsets.locate(index)
+    record_id = self._sources[part].record_id(i)
+    if self._names is None:
+      return record_id
+    dataset = self._datasets[part]
+    return location_free_id(record_id, self._names[dataset],
+                            self._roots[dataset] if self._roots else ())
 
   def __getitem__(self, index: int):
     source, i = self._part(index)
@@ -246,3 +283,14 @@ class ShuffledRecords(grain.MapDataset):
     except Drop as e:  # the source's verdict on this one record
       return Record(index, epoch, record_id, dataset, error=e.dropped)
     return Record(index, epoch, record_id, dataset, fields)
+
+
+def dataset_roots(dataset: Any) -> list[str | None]:
+  """The folders a dataset's record files lie under (a `config.DatasetSpec`): its
+  `data_dir`, and the folder of its JSONL or array_record file(s)."""
+  from bagel_grain import fs  # pylint: disable=import-outside-toplevel
+  roots = [dataset.data_dir]
+  for path in (dataset.jsonl_path, dataset.array_record_path):
+    if path:
+      roots += [path, fs.dirname(path)]
+  return roots
