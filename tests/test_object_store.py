@@ -2,6 +2,7 @@
 
 import collections
 import logging
+import re
 import socket
 import threading
 import time
@@ -297,3 +298,22 @@ def test_small_objects_take_one_get_each_on_kept_alive_connections(bucket, demo_
   # S3 through pyarrow asks for the size first (a HEAD its Python API cannot skip); GCS not.
   assert counts.get("requests_HEAD", 0) == (len(names) if store.kind == "s3" else 0)
   assert counts["connections"] <= 2
+
+
+@pytest.mark.parametrize("bucket", ["s3"], indirect=True)
+def test_with_workers_each_image_is_read_by_one_process_once(bucket, demo_dir, demo_tokenizer,
+                                                              local_epoch, monkeypatch):
+  store, root = bucket
+  proxy = store.fault_proxy()
+  _through(proxy, store, monkeypatch)
+  keys, _, _ = _run_epoch(_epoch_config(root, demo_dir), demo_tokenizer, 2, root, demo_dir)
+  assert keys == local_epoch
+  lines = (demo_dir / "vlm" / "sft.jsonl").read_text().splitlines()
+  wanted = collections.Counter(name for line in lines
+                               for name in re.findall(r'"(images/[^"]+)"', line))
+  got = collections.Counter({target.rsplit("/vlm/", 1)[1]: n
+                             for target, n in proxy.targets().items()
+                             if target.startswith("GET ") and "/vlm/images/" in target})
+  # Read ahead by the worker that decodes it, and only there (before: by every worker and
+  # the main process). Images of lines dropped before their images are read are not read.
+  assert len(got) > len(wanted) / 2 and all(got[name] <= wanted[name] for name in got)

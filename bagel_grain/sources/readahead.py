@@ -35,12 +35,35 @@ import grain
 
 from bagel_grain.storage import RetryPolicy, single_attempts
 
-THREADS = 8  # requests in flight per group and process
-DEPTH = 32  # elements read ahead of the one asked for
+THREADS = 8  # requests in flight per group and process, at least
+MAX_THREADS = 64  # ... and at most, as latency asks (see `ReadAhead.target_in_flight`)
+DEPTH = 256  # elements read ahead of the one asked for, at most
 MAX_BYTES = 64 << 20  # read but not yet taken, per group and process
 WAIT_S = 60.0  # a read ahead not done by then is done again by the consumer
 CLOSE_WAIT_S = 10.0
 _FIRST_GUESS = 256 << 10  # size assumed for a read of unknown size before any is done
+_SMOOTHING = 0.1  # weight of the newest sample in the latency and rate averages
+
+# The elements this process decodes, so reads ahead: (worker, workers), or None for
+# none (the main process while workers run). See `owner`.
+_SHARE: tuple[int, int] | None = (0, 1)
+
+
+def owner(index: int, workers: int) -> int:
+  """The worker that decodes a group's element `index` (the fetcher hands it out so)."""
+  return index % workers
+
+
+def set_share(share: tuple[int, int] | None) -> None:
+  """Which elements this process reads ahead: those `owner` gives worker `share[0]` of
+  `share[1]`; None: none (they are read ahead by the workers that decode them)."""
+  global _SHARE  # pylint: disable=global-statement
+  _SHARE = share
+
+
+def _mine(index: int) -> bool:
+  share = _SHARE
+  return share is not None and owner(index, share[1]) == share[0]
 
 
 class ReadAhead:
@@ -48,11 +71,17 @@ class ReadAhead:
 
   `storage` is the retry policy of the group's consumer (the file store reads
   under it); the reads here try once.
+
+  How many reads may be in flight adapts to what it sees (Little's law): the mean
+  time a read takes times the rate at which values are taken, doubled, between
+  `threads` and `max_threads`. At local-disk speed that is the minimum; at 150 ms
+  a request it grows until the consumer no longer waits.
   """
 
   def __init__(self, *, threads: int = THREADS, max_bytes: int = MAX_BYTES,
-               storage: RetryPolicy | None = None):
+               storage: RetryPolicy | None = None, max_threads: int = MAX_THREADS):
     self._threads, self._max_bytes = threads, max_bytes
+    self._max_threads = max(threads, max_threads)
     self.storage = storage or RetryPolicy()
     self._reset()
 
@@ -63,10 +92,14 @@ class ReadAhead:
     self._admitted: dict[Hashable, int] = {}  # bytes counted for each read held
     self._known: set[Hashable] = set()  # reads whose size was known before reading
     self._done_bytes, self._done_reads = 0, 0  # for the size of reads of unknown size
+    self._read_s = 0.0  # mean time a read takes
+    self._take_gap_s: float | None = None  # mean time between two takes
+    self._last_take: float | None = None
     self._lock = threading.Lock()
 
   def __getstate__(self):  # no threads, no reads
-    return {"_threads": self._threads, "_max_bytes": self._max_bytes, "storage": self.storage}
+    return {"_threads": self._threads, "_max_bytes": self._max_bytes, "storage": self.storage,
+            "_max_threads": self._max_threads}
 
   def __setstate__(self, state):
     self.__dict__.update(state)
@@ -86,31 +119,52 @@ class ReadAhead:
         counted += self._admitted[key]  # a failed read holds nothing
     return counted
 
+  def target_in_flight(self) -> int:
+    """Reads to keep in flight: what the consumer takes while one read is done, doubled."""
+    if not self._take_gap_s:
+      return self._threads
+    wanted = 2 * self._read_s / self._take_gap_s
+    return int(min(self._max_threads, max(self._threads, wanted)))
+
+  def _in_flight(self) -> int:
+    return sum(1 for f in self._reads.values() if not f.done())
+
   def _guess(self) -> int:
     return self._done_bytes // self._done_reads if self._done_reads else _FIRST_GUESS
 
   def start(self, key: Hashable, read: Callable[[], tuple[Any, int]],
-            size: int | None = None) -> bool:
+            size: int | None = None, *, paced: bool = False) -> bool:
     """Reads `read()` -> (value, its size in bytes) in the background, unless held already
-    or `size` (None: unknown, guessed) does not fit beside what is held and in flight.
-    True when the read is held now."""
+    or `size` (None: unknown, guessed) does not fit beside what is held and in flight, or
+    (`paced`) the reads in flight are already `target_in_flight()`. True when the read is
+    held now."""
     with self._lock:
       if key in self._reads:
         return True
       need = self._guess() if size is None else size
       if self._reads and self._counted() + need > self._max_bytes:
         return False  # no room until some is taken (or forgotten)
+      if paced and self._in_flight() >= self.target_in_flight():
+        return False
       if self._pool is None:
         self._pool = concurrent.futures.ThreadPoolExecutor(
-            self._threads, thread_name_prefix="bagel-grain-readahead",
+            self._max_threads, thread_name_prefix="bagel-grain-readahead",
             initializer=single_attempts)
       self._admitted[key] = need
       if size is not None:
         self._known.add(key)
-      future = self._pool.submit(read)
+      future = self._pool.submit(self._timed, read)
       self._reads[key] = future
     future.add_done_callback(lambda f: self._finished(key, f))
     return True
+
+  def _timed(self, read: Callable[[], tuple[Any, int]]) -> tuple[Any, int]:
+    start = time.monotonic()
+    value = read()
+    took = time.monotonic() - start
+    with self._lock:
+      self._read_s += _SMOOTHING * (took - self._read_s) if self._read_s else took
+    return value
 
   def _finished(self, key: Hashable, future: concurrent.futures.Future) -> None:
     """Counts a read's size, or forgets a failed read at once (never served, never kept)."""
@@ -142,6 +196,12 @@ class ReadAhead:
     A failure is never served nor kept: the caller reads again."""
     with self._lock:
       future = self._drop(key)
+      now = time.monotonic()
+      if self._last_take is not None:
+        gap = now - self._last_take
+        self._take_gap_s = (gap if self._take_gap_s is None
+                            else self._take_gap_s + _SMOOTHING * (gap - self._take_gap_s))
+      self._last_take = now
     if future is None:
       return None
     try:
@@ -232,9 +292,10 @@ class ReadAheadRecords(grain.MapDataset):
     self._served = self._files.pop(index, [])  # held: the consumer takes them next
     self._hinted = max(self._hinted, index)
     for ahead in range(self._hinted + 1, min(index + self._depth + 1, len(self))):
-      if not self.ahead.start(("record", ahead), lambda i=ahead: self._read(i),
-                              size=self._record_size(ahead)):
-        break  # the bound is full: the next call goes on from here
+      if _mine(ahead) and not self.ahead.start(
+          ("record", ahead), lambda i=ahead: self._read(i), size=self._record_size(ahead),
+          paced=True):
+        break  # the bound is full, or enough in flight: the next call goes on from here
       self._hinted = ahead
     return record
 

@@ -45,6 +45,7 @@ from typing import Any, Callable, Sequence
 from bagel_grain import storage
 from bagel_grain.config import PipelineConfig
 from bagel_grain.errors import StorageUnavailableError
+from bagel_grain.sources import readahead
 from bagel_grain.sources.readahead import close_read_ahead
 from bagel_grain.workers.process import GUARD_HINT, Worker, WorkerError, recv, start_workers
 
@@ -105,6 +106,7 @@ class Fetcher:
             f"{e}); every dataset, transform and tokenizer must be picklable. Use workers=0 "
             "to decode in this process.") from e
       self._workers = start_workers(multiprocessing.get_context("spawn"), workers)
+      readahead.set_share(None)  # this process decodes only stragglers: no read-ahead
       self._payload = payload
       self._wake_reader, self._wake = multiprocessing.Pipe(duplex=False)
       self._pump = threading.Thread(target=self._run_pump, name="bagel-grain-fetch",
@@ -237,9 +239,14 @@ class Fetcher:
           return
 
   def _dispatch(self) -> None:
-    for w in self._workers:
-      while w.stage == "ready" and self._pending and len(w.jobs) < JOBS_PER_WORKER:
-        key = next(iter(self._pending))
+    """Hands each ready worker the pending elements it owns (`readahead.owner`): a worker
+    reads ahead exactly the records it will decode, so each is read by one process."""
+    for n, w in enumerate(self._workers):
+      while w.stage == "ready" and len(w.jobs) < JOBS_PER_WORKER:
+        key = next((k for k in self._pending
+                    if readahead.owner(k[1], len(self._workers)) == n), None)
+        if key is None:
+          break
         del self._pending[key]
         try:
           w.conn.send(key)
@@ -307,8 +314,10 @@ class Fetcher:
     return True
 
   def _hand_over(self, w: Worker) -> None:
-    """Sends a worker its datasets; blocks only this thread while the worker reads."""
+    """Sends a worker its share of the elements and its datasets; blocks only this thread
+    while the worker reads."""
     try:
+      w.conn.send((self._workers.index(w), len(self._workers)))
       w.conn.send_bytes(self._payload)
     except (OSError, ValueError):
       pass  # the worker exited (the pump reports it) or the fetcher was closed
@@ -388,6 +397,8 @@ class Fetcher:
     self._pending.clear()
     self._done.clear()
     close_read_ahead(self._datasets)
+    if workers:
+      readahead.set_share((0, 1))
 
   def _forget_workers(self) -> None:
     """In a forked child: drop the parent's workers without touching them."""

@@ -24,6 +24,7 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 from bagel_grain import storage
+from bagel_grain.sources import readahead
 from bagel_grain.errors import BagelGrainError, StorageUnavailableError
 
 _SOCKET_BUFFER = 4 << 20
@@ -85,6 +86,7 @@ def _worker_main(conn: Connection) -> None:
     _widen(conn)
     conn.send(("hello", None, 0, 0, 0.0))
     try:
+      readahead.set_share(tuple(conn.recv()))  # the elements this worker decodes
       datasets = pickle.loads(conn.recv_bytes())
     except (EOFError, OSError):
       return

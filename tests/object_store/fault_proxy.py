@@ -23,8 +23,8 @@ fixed `delay_s` before each request adds latency, as `latency_proxy` does.
 A fault lasts `seconds` (a time window from now) or `count` (the first N
 requests it applies to), and applies to every request or to those whose
 URL-decoded target contains `match` (an object's name). The proxy counts
-connections and requests (by method) so the tests can check how the client
-talks to storage.
+connections, requests by method, and requests by method and target, so the
+tests can check how the client talks to storage.
 
 `python fault_proxy.py PORT [DELAY_MS]` runs one in its own process: it prints the port
 it listens on, then reads one JSON command a line from its standard input and
@@ -84,6 +84,7 @@ class FaultProxy:
     self._faults: list[Fault] = []
     self._open: set[socket.socket] = set()
     self.counts: collections.Counter[str] = collections.Counter()
+    self.targets: collections.Counter[str] = collections.Counter()  # "GET <decoded target>"
     self._closed = threading.Event()
     self._listener = socket.create_server(("127.0.0.1", 0))
     self.port = self._listener.getsockname()[1]
@@ -157,6 +158,7 @@ class FaultProxy:
           return
         with self._lock:
           self.counts[f"requests_{method}"] += 1
+          self.targets[f"{method} {urllib.parse.unquote(target)}"] += 1
         fault = self._fault_for(urllib.parse.unquote(target))
         if fault == "stall":
           while self._fault_active("stall", target) and not self._closed.is_set():
@@ -297,6 +299,9 @@ def _command(proxy: FaultProxy, line: str) -> dict[str, Any]:
     proxy.add(Fault(command.pop("kind"), **command))
   elif action == "clear":
     proxy.clear()
+  elif action == "targets":
+    with proxy._lock:  # pylint: disable=protected-access
+      return dict(proxy.targets)
   elif action != "counts":
     raise ValueError(f"unknown action {action!r}")
   with proxy._lock:  # pylint: disable=protected-access

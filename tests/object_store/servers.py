@@ -165,6 +165,10 @@ class FaultProxy:
   def counts(self) -> dict[str, int]:
     return self._child.ask({"action": "counts"})["counts"]
 
+  def targets(self) -> dict[str, int]:
+    """Requests so far by "METHOD target" (the target URL-decoded)."""
+    return self._child.ask({"action": "targets"})["counts"]
+
 
 def _serve_s3(bucket: str) -> None:
   from moto.server import ThreadedMotoServer  # pylint: disable=import-outside-toplevel
