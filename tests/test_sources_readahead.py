@@ -19,6 +19,12 @@ from parquet_files import ALL_IDS, NON_EMPTY_ROW_GROUPS, two_files
 THREAD_PREFIX = "bagel-grain-readahead"
 
 
+@pytest.fixture(autouse=True)
+def reads_ahead_everything(monkeypatch):
+  """This process reads ahead every element (as without workers), whatever ran before."""
+  monkeypatch.setattr(readahead, "_SHARE", (0, 1))
+
+
 class CountingRecords(grain.MapDataset):
   """Record i is the string `r<i>`; counts reads; `wait(i)` runs before a read returns."""
 
@@ -243,6 +249,21 @@ def test_records_read_ahead_never_hold_more_than_the_bound(sizes, bound):
     ahead.close()
   assert records.peak <= most
   assert records.reads == {i: 1 for i in range(len(sizes))}
+
+
+def test_a_worker_reads_ahead_only_the_elements_it_decodes(monkeypatch):
+  monkeypatch.setattr(readahead, "_SHARE", (1, 3))  # worker 1 of 3: elements 1, 4, 7, ...
+  records = CountingRecords(40)
+  ahead = ReadAhead(threads=4)
+  ra = ReadAheadRecords(records, files_of=_no_files, read_file=None, ahead=ahead, depth=12)
+  try:
+    assert ra[1] == "r1" and ra[4] == "r4"
+    for key in list(ahead._reads):  # pylint: disable=protected-access
+      ahead._reads[key].result(timeout=30)  # pylint: disable=protected-access
+  finally:
+    ahead.close()
+  read_ahead = set(records.reads) - {1, 4}
+  assert read_ahead and all(readahead.owner(i, 3) == 1 for i in read_ahead)
 
 
 def test_a_row_group_is_read_once_however_many_threads_want_its_rows(tmp_path):
