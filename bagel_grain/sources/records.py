@@ -133,6 +133,11 @@ class ConcatSource:
     source, i = self._part(index)
     return source[i]
 
+  def where(self, index: int) -> str:
+    """Where the record lies: its source's own id (`s3://bucket/vlm/sft.jsonl:12`)."""
+    source, i = self._part(index)
+    return source.record_id(i)
+
   def record_bytes(self, index: int) -> int | None:
     """The record's size in bytes when its source knows it unread (JSONL line offsets)."""
     source, i = self._part(index)
@@ -274,7 +279,8 @@ class ShuffledRecords(grain.MapDataset):
     dataset, _ = self._source.locate(source_index)
     record_id = self._source.record_id(source_index)
     try:
-      fields = self._storage.call(f"record {record_id}", lambda: self._source[source_index])
+      fields = self._storage.call(f"record {self._source.where(source_index)}",
+                                  lambda: self._source[source_index])
     except (OSError, pa.ArrowException) as e:  # a file that became unreadable mid-run
       if is_transient(e):  # a read ahead, which tries once: the consumer reads again
         raise
