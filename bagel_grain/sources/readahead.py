@@ -38,6 +38,7 @@ from bagel_grain.storage import RetryPolicy, single_attempts
 THREADS = 8  # requests in flight per group and process, at least
 MAX_THREADS = 64  # ... and at most, as latency asks (see `ReadAhead.target_in_flight`)
 DEPTH = 256  # elements read ahead of the one asked for, at most
+MIN_DEPTH = 32  # ... and at least; between, four times the reads wanted in flight
 MAX_BYTES = 64 << 20  # read but not yet taken, per group and process
 WAIT_S = 60.0  # a read ahead not done by then is done again by the consumer
 CLOSE_WAIT_S = 10.0
@@ -291,7 +292,8 @@ class ReadAheadRecords(grain.MapDataset):
       record = self._records[index]
     self._served = self._files.pop(index, [])  # held: the consumer takes them next
     self._hinted = max(self._hinted, index)
-    for ahead in range(self._hinted + 1, min(index + self._depth + 1, len(self))):
+    depth = min(self._depth, max(MIN_DEPTH, 4 * self.ahead.target_in_flight()))
+    for ahead in range(self._hinted + 1, min(index + depth + 1, len(self))):
       if _mine(ahead) and not self.ahead.start(
           ("record", ahead), lambda i=ahead: self._read(i), size=self._record_size(ahead),
           paced=True):
