@@ -149,6 +149,25 @@ def test_state_saved_by_release_0_1_restores_to_the_same_batches(demo_config, de
     it.close()
 
 
+@pytest.mark.parametrize("case", [0, 1], ids=["one_shard", "logical_shards_4"])
+def test_state_saved_by_version_2_restores_to_the_same_batches(demo_config, demo_tokenizer,
+                                                                demo_dir, case):
+  # tests/data/demo_state_v2.json was written by commit 78e9849 (state version 2, before
+  # states had a fixed structure; see tests/data/README.md).
+  saved = json.loads((Path(__file__).parent / "data" / "demo_state_v2.json").read_text())[case]
+  state = saved["state"]
+  assert state["version"] == 2
+  cfg = dataclasses.replace(demo_config, logical_shards=saved["logical_shards"])
+  with iter(build_pipeline(cfg, demo_tokenizer, batch_size=saved["batch_size"],
+                           workers=0)) as it:
+    ours = it.get_state()["fingerprint"]
+    # Group hashes cover the demo data's absolute paths, which differ per test run.
+    assert {**state["fingerprint"], "config": None} == {**ours, "config": None}
+    it.set_state({**state, "fingerprint": {**state["fingerprint"], "config": ours["config"]}})
+    assert [batch_sha256(next(it), demo_dir) for _ in saved["next_batch_sha256"]] == \
+        saved["next_batch_sha256"]
+
+
 def test_pipeline_stats_takes_the_pipelines_own_iterator(demo_config, demo_tokenizer):
   ds = build_pipeline(demo_config, demo_tokenizer, batch_size=1, workers=0)
   with iter(ds) as it:

@@ -2,9 +2,12 @@
 
 The envelope is a version and the stream's fingerprint, checked first. Inside it
 the stages keep their own keys (packing/shards.py per logical shard, then
-packing/pack.py, packing/mix.py); the whole is plain JSON of a few hundred bytes
-per shard, whatever the buffers hold. Version 1 (release 0.1.0, one process's
-packing state) is read as the single shard of its process. A stage parses its
+packing/pack.py, packing/mix.py); the whole is plain JSON of fixed structure for a
+given config and process count (lists of fixed length, every counter present),
+as Grain's checkpoint contract asks. Version 2 held only what was in use (lists
+as long as their content, counters when non-zero) and reads as it is; version 1
+(release 0.1.0, one process's packing state) is read as the single shard of its
+process. A stage parses its
 keys with the helpers below before it changes anything, so a malformed state is
 a StateMismatchError naming the field, and the iterator stays where it was.
 """
@@ -16,7 +19,8 @@ from typing import Any, Mapping, Sequence
 
 from bagel_grain.errors import StateMismatchError
 
-STATE_VERSION = 2
+STATE_VERSION = 3
+READABLE_VERSIONS = (1, 2, 3)  # 2: lists and counters hold only what is used
 
 
 def sealed(state: dict[str, Any], fingerprint: dict[str, Any]) -> dict[str, Any]:
@@ -45,9 +49,9 @@ def opened(state: Any, fingerprint: dict[str, Any]) -> dict[str, Any]:
   mapping(state, "state")
   if state.get("version") == 1:
     state = _from_version_1(state)
-  if state.get("version") != STATE_VERSION:
+  if state.get("version") not in READABLE_VERSIONS:
     raise StateMismatchError(f"iterator state version {state.get('version')!r}; this "
-                             f"bagel_grain reads version {STATE_VERSION}")
+                             f"bagel_grain reads versions {list(READABLE_VERSIONS)}")
   saved = _flat(mapping(state.get("fingerprint"), "fingerprint"))
   ours = _flat(fingerprint)
   changed = sorted(k for k in set(saved) | set(ours) if saved.get(k) != ours.get(k))
