@@ -9,6 +9,7 @@ import json
 import logging
 import os
 import re
+import stat
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -31,15 +32,100 @@ BAGEL_TOKENS = (BOS_TOKEN, EOS_TOKEN, START_OF_IMAGE_TOKEN, END_OF_IMAGE_TOKEN)
 _HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
 
 
+def hub_cache_dir() -> str:
+  """The Hugging Face hub cache `hf download` fills, as `huggingface_hub` finds it."""
+  if os.environ.get("HF_HUB_CACHE"):
+    return os.path.expanduser(os.environ["HF_HUB_CACHE"])
+  home = os.environ.get("HF_HOME") or os.path.join(
+      os.environ.get("XDG_CACHE_HOME") or os.path.join("~", ".cache"), "huggingface")
+  return os.path.join(os.path.expanduser(home), "hub")
+
+
+def cached_hub_snapshot(repo_id: str) -> str | None:
+  """The folder of `repo_id`'s `main` revision in the local hub cache, or None.
+
+  The cache's layout: `models--ORG--NAME/refs/main` holds the commit `hf download`
+  fetched, whose files are in `models--ORG--NAME/snapshots/COMMIT/`. Nothing is
+  asked of the network, as with `local_files_only=True`.
+  """
+  repo = os.path.join(hub_cache_dir(), "models--" + repo_id.replace("/", "--"))
+  try:
+    with open(os.path.join(repo, "refs", "main"), encoding="ascii") as f:
+      commit = f.read(100).strip()
+  except (OSError, ValueError):
+    return None
+  snapshot = os.path.join(repo, "snapshots", commit)
+  if not commit or os.sep in commit or commit.startswith(".") or not os.path.isdir(snapshot):
+    return None
+  return snapshot
+
+
 def missing_tokenizer_message(value: str, resolved: str) -> str:
   """Why the tokenizer path `value` (`resolved` once made absolute) cannot be loaded."""
   message = (f"tokenizer path {resolved} does not exist; point it at a local tokenizer "
              "folder or tokenizer.json file")
   if _HUB_ID.fullmatch(value):
-    message += (f". {value!r} looks like a Hugging Face Hub id: bagel_grain reads "
-                "tokenizers offline, so download it first (`hf download "
-                f"{value} --local-dir <folder>`) and give that folder")
+    message += (f". {value!r} looks like a Hugging Face Hub id, and it is not in the local "
+                f"Hugging Face cache ({hub_cache_dir()}): bagel_grain reads tokenizers offline, "
+                f"so download it first (`hf download {value}` into that cache, or `hf download "
+                f"{value} --local-dir <folder>` and give that folder)")
   return message
+
+
+def resolve_tokenizer_path(value: str, base_dir: str | None, *, file: str | None = None,
+                           key: str = "tokenizer_path") -> str:
+  """Where the tokenizer `value` is: a path (relative to `base_dir`) when one exists there,
+  else the cached snapshot of a Hub id (what NeMo loads after `hf download`).
+
+  ConfigError, naming `file` and `key`, when it is neither, or is not a regular file or
+  folder (a FIFO would block the loader).
+  """
+  path = fs.resolve(value, base_dir)
+  kind = fs.kind(path)
+  if kind == "missing" and _HUB_ID.fullmatch(value) and not fs.is_uri(value):
+    snapshot = cached_hub_snapshot(value)
+    if snapshot is not None:
+      return snapshot
+  if kind == "missing":
+    raise ConfigError(missing_tokenizer_message(value, path), file=file, key=key)
+  if kind not in ("file", "folder"):
+    raise ConfigError(_SPECIAL_FILE.format(path=path, kind=kind), file=file, key=key)
+  return path
+
+
+_SPECIAL_FILE = ("tokenizer path {path} is a {kind} (a FIFO, device or socket), never opened: "
+                 "give a tokenizer.json "
+                 "file or a tokenizer folder")
+
+
+def _check_folder_entries(folder: Path) -> None:
+  """Every entry of a tokenizer folder is a regular file or a folder: the Hugging Face
+  loader opens the ones it knows without asking, and would wait forever on a FIFO."""
+  for entry in os.scandir(folder):
+    try:
+      mode = os.stat(entry.path).st_mode  # follows the hub cache's links to its blobs
+    except OSError:
+      continue  # a dangling link: the loader says what it misses
+    if not (stat.S_ISREG(mode) or stat.S_ISDIR(mode)):
+      raise ConfigError(_SPECIAL_FILE.format(path=entry.path, kind="special file"),
+                        key="tokenizer_path")
+
+
+def _folder_error(path: Path, error: Exception) -> ConfigError:
+  """What is wrong with a tokenizer folder the Hugging Face loader refused.
+
+  transformers reports a malformed `tokenizer.json` as whatever it tripped on (a
+  `KeyError: 'added_tokens'` for `{"model": 1}`): the Rust loader names the file.
+  """
+  json_file = path / "tokenizer.json"
+  if json_file.is_file():
+    try:
+      tokenizers.Tokenizer.from_file(str(json_file))
+    except Exception as e:  # pylint: disable=broad-except  # the Rust loader's bare Exception
+      return ConfigError(f"{json_file} is not a tokenizers JSON file: {e}",
+                         key="tokenizer_path")
+  return ConfigError(f"cannot load a Hugging Face tokenizer from {path}: "
+                     f"{type(error).__name__}: {error}", key="tokenizer_path")
 
 
 class _DropTorchAdvice(logging.Filter):
@@ -68,9 +154,12 @@ def _load_backend(path: Path) -> tuple[tokenizers.Tokenizer | None, Any]:
   pipeline from its own config gets the same ids as in upstream; the Rust object it
   wraps is then used directly (one call, no Python-side per-token work).
   """
-  if not path.exists():
+  kind = fs.kind(str(path))
+  if kind == "missing":
     raise ConfigError(missing_tokenizer_message(str(path), str(path)), key="tokenizer_path")
-  if path.is_file():
+  if kind not in ("file", "folder"):
+    raise ConfigError(_SPECIAL_FILE.format(path=path, kind=kind), key="tokenizer_path")
+  if kind == "file":
     try:
       return tokenizers.Tokenizer.from_file(str(path)), None
     except Exception as e:  # the Rust loader raises a bare Exception
@@ -79,11 +168,11 @@ def _load_backend(path: Path) -> tuple[tokenizers.Tokenizer | None, Any]:
   with _quiet_transformers_import():
     import transformers  # slow import; only needed for directories
 
+  _check_folder_entries(path)
   try:
     hf = transformers.AutoTokenizer.from_pretrained(str(path), local_files_only=True)
-  except (OSError, ValueError) as e:
-    raise ConfigError(f"cannot load a Hugging Face tokenizer from {path}: {e}",
-                      key="tokenizer_path") from e
+  except Exception as e:  # pylint: disable=broad-except  # a malformed file raises anything
+    raise _folder_error(path, e) from e
   return getattr(hf, "backend_tokenizer", None), hf
 
 
@@ -222,9 +311,12 @@ class Tokenizer:
 def load_tokenizer(path: str | os.PathLike[str] | None) -> Tokenizer:
   """Loads a `tokenizer.json` file or a Hugging Face tokenizer directory (no hub access).
 
-  A gs:// or s3:// path is copied to a temporary folder first, loaded, and deleted.
+  A Hub id (`Qwen/Qwen2.5-7B-Instruct`) that is not a local path loads from the local
+  Hugging Face cache when `hf download` put it there. A gs:// or s3:// path is copied
+  to a temporary folder first, loaded, and deleted.
   """
   if path is None:
     return Tokenizer(None)  # the error that says where to set the path
-  with fs.LocalCopy(str(path)) as local:
+  path = resolve_tokenizer_path(str(path), None)
+  with fs.LocalCopy(path) as local:
     return Tokenizer(local)
