@@ -1,12 +1,13 @@
 """Parquet rows by row group: the footer index, row-group blocks, record ids, bad files."""
 
+import pyarrow as pa
 import pytest
 
 import lying_parquet
 from bagel_grain.drops import Drop, DropReason
 from bagel_grain.errors import DatasetError
 from bagel_grain.sources import sidecar
-from bagel_grain.sources.parquet import ParquetRowSource, dataset_files
+from bagel_grain.sources.parquet import ParquetRowSource, dataset_catalog, dataset_files
 from bagel_grain.sources.parquet_footer import MAX_ROWS_PER_BYTE
 from bagel_grain.sources.records import ConcatSource, ShuffledRecords
 from parquet_files import ALL_IDS, NON_EMPTY_ROW_GROUPS, two_files, write_parquet
@@ -155,3 +156,18 @@ def test_a_rewritten_file_becomes_drops_in_the_stream_not_an_error(files):
   assert len(dropped) >= 16 - 1 - 3 - (len(group) - 1)
   assert {r.error.reason for r in dropped} == {DropReason.UNREADABLE_FILE}
   assert all(r.error.detail.startswith((a, b)) for r in dropped)
+
+
+def test_an_index_claiming_more_rows_than_its_file_can_hold_is_refused(tmp_path):
+  path = write_parquet(tmp_path / "a.parquet", [["a", "b", "c", "d"]])
+  index = sidecar.write_parquet_index(str(tmp_path))
+  with pa.OSFile(index) as f:
+    table = pa.ipc.open_file(f).read_all()
+  rows = pa.array([[10**9]], pa.list_(pa.int64()))
+  table = table.set_column(table.schema.get_field_index("row_group_rows"), "row_group_rows", rows)
+  with pa.OSFile(index, "wb") as out, pa.ipc.new_file(out, table.schema) as writer:
+    writer.write_table(table)
+  with pytest.raises(DatasetError, match=f"the sidecar index says 1000000000 rows for {path}, "
+                     r"a file of \d+ bytes") as e:
+    dataset_catalog(str(tmp_path), None, ["id"])
+  assert e.value.file == index

@@ -19,7 +19,7 @@ from bagel_grain import fs
 from bagel_grain.drops import Drop, DropReason
 from bagel_grain.errors import DatasetError
 from bagel_grain.sources.base import PartOffsets
-from bagel_grain.sources import sidecar
+from bagel_grain.sources import parquet_footer, sidecar
 
 DEFAULT_CACHE_BYTES = 256 << 20  # per source and process; rows come in row-group-blocked order
 _BATCH_BYTES = 1 << 20  # a row group is decoded this much at a time
@@ -154,6 +154,10 @@ def dataset_catalog(data_dir: str, num_used: int | None, columns: Sequence[str],
     files = [files[i % len(files)] for i in range(num_used)]
   facts = sidecar.read_parquet_index(data_dir, listed)
   if facts is not None:
+    for info in listed:  # the index's counts size the order as a footer's would
+      path = fs.join(data_dir, info.base_name)
+      parquet_footer.check_indexed_rows(facts[path].row_group_rows, int(info.size), path,
+                                        fs.join(data_dir, sidecar.PARQUET_INDEX))
     return ParquetCatalog(files, columns, facts=facts)
   if parquet_info_path is not None:
     counts = sidecar.row_group_counts(files, sidecar.read_parquet_info(parquet_info_path))

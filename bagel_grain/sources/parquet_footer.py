@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
+import numpy as np
 import pyarrow.parquet as pq
 
 from bagel_grain.errors import DatasetError
@@ -27,10 +28,12 @@ from bagel_grain.errors import DatasetError
 MAX_ROWS_PER_BYTE = 1000
 
 
-def check_footer(meta: pq.FileMetaData, path: str, columns: Sequence[str] | None = None) -> None:
+def check_footer(meta: pq.FileMetaData, path: str, file_bytes: int | None = None,
+                 columns: Sequence[str] | None = None) -> None:
   """DatasetError naming `path` and the row group when its counts cannot be true.
 
-  `columns`: the top-level columns whose chunks are checked (None: all of them).
+  `file_bytes`: the file's size, when known (the chunks' sizes are the footer's word
+  too). `columns`: the top-level columns whose chunks are checked (None: all of them).
   """
   claimed = [meta.row_group(i).num_rows for i in range(meta.num_row_groups)]
   if sum(claimed) != meta.num_rows:
@@ -52,6 +55,8 @@ def check_footer(meta: pq.FileMetaData, path: str, columns: Sequence[str] | None
                                 f"{chunk.path_in_schema!r} holds {chunk.num_values} values"),
                            file=path)
       stored += max(0, chunk.total_compressed_size)
+    if file_bytes is not None:
+      stored = min(stored, file_bytes)
     if rows > MAX_ROWS_PER_BYTE * stored:
       raise DatasetError(_lie(f"row group {index} claims {rows} rows in {stored} bytes of "
                               f"column chunks, more than {MAX_ROWS_PER_BYTE} rows a byte"),
@@ -61,3 +66,14 @@ def check_footer(meta: pq.FileMetaData, path: str, columns: Sequence[str] | None
 def _lie(what: str) -> str:
   return (f"parquet footer cannot be true: {what}. The file is damaged or was edited: "
           "rewrite it, or remove it from the dataset")
+
+
+def check_indexed_rows(row_group_rows: np.ndarray, file_bytes: int, path: str,
+                       index: str) -> None:
+  """The sidecar index's row counts for a file against the file's size (an index written
+  before these checks, or edited, is held to the same bound as a footer)."""
+  rows = int(np.sum(row_group_rows, dtype=np.int64))
+  if np.any(row_group_rows < 0) or rows > MAX_ROWS_PER_BYTE * file_bytes:
+    raise DatasetError(f"the sidecar index says {rows} rows for {path}, a file of {file_bytes} "
+                       f"bytes (at most {MAX_ROWS_PER_BYTE} rows a byte, none negative). Run "
+                       "`bagel-grain index CONFIG` again", file=index)

@@ -61,10 +61,10 @@ def _rebuild_hint(what: str) -> str:
 def read_footer(path: str) -> pq.FileMetaData:
   try:
     with fs.open_random_access(path) as f:
-      meta = pq.ParquetFile(f).metadata
+      meta, size = pq.ParquetFile(f).metadata, f.size()
   except (OSError, pa.ArrowException) as e:
     raise DatasetError(f"cannot read parquet footer: {e}", file=path) from None
-  parquet_footer.check_footer(meta, path)  # before any count sizes anything
+  parquet_footer.check_footer(meta, path, size)  # before any count sizes anything
   return meta
 
 
