@@ -405,7 +405,7 @@ def _top_level(raw: Mapping, file: str, base_dir: str,
     if value is None and "None" in kind:
       kwargs[key] = None
     elif key == "tokenizer_path":
-      from bagel_grain.tokenizer import resolve_tokenizer_path  # pylint: disable=import-outside-toplevel
+      from bagel_grain.tokenizer_path import resolve_tokenizer_path  # pylint: disable=import-outside-toplevel
       kwargs[key] = resolve_tokenizer_path(str(value), base_dir, file=file, key=name)
     elif kind.startswith("bool"):
       if not isinstance(value, bool):

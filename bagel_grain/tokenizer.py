@@ -8,8 +8,6 @@ import hashlib
 import json
 import logging
 import os
-import re
-import stat
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -18,6 +16,8 @@ import tokenizers
 
 from bagel_grain import fs
 from bagel_grain.errors import ConfigError
+from bagel_grain.tokenizer_path import (SPECIAL_FILE, check_folder_entries,
+                                        missing_tokenizer_message, resolve_tokenizer_path)
 # One definition, shared with the packer that consumes the ids.
 from bagel_grain.sample import SpecialTokens
 
@@ -27,89 +27,6 @@ EOS_TOKEN = "<|im_end|>"
 START_OF_IMAGE_TOKEN = "<|vision_start|>"
 END_OF_IMAGE_TOKEN = "<|vision_end|>"
 BAGEL_TOKENS = (BOS_TOKEN, EOS_TOKEN, START_OF_IMAGE_TOKEN, END_OF_IMAGE_TOKEN)
-
-# `organisation/name`, the shape of a Hugging Face Hub id.
-_HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
-
-
-def hub_cache_dir() -> str:
-  """The Hugging Face hub cache `hf download` fills, as `huggingface_hub` finds it."""
-  if os.environ.get("HF_HUB_CACHE"):
-    return os.path.expanduser(os.environ["HF_HUB_CACHE"])
-  home = os.environ.get("HF_HOME") or os.path.join(
-      os.environ.get("XDG_CACHE_HOME") or os.path.join("~", ".cache"), "huggingface")
-  return os.path.join(os.path.expanduser(home), "hub")
-
-
-def cached_hub_snapshot(repo_id: str) -> str | None:
-  """The folder of `repo_id`'s `main` revision in the local hub cache, or None.
-
-  The cache's layout: `models--ORG--NAME/refs/main` holds the commit `hf download`
-  fetched, whose files are in `models--ORG--NAME/snapshots/COMMIT/`. Nothing is
-  asked of the network, as with `local_files_only=True`.
-  """
-  repo = os.path.join(hub_cache_dir(), "models--" + repo_id.replace("/", "--"))
-  try:
-    with open(os.path.join(repo, "refs", "main"), encoding="ascii") as f:
-      commit = f.read(100).strip()
-  except (OSError, ValueError):
-    return None
-  snapshot = os.path.join(repo, "snapshots", commit)
-  if not commit or os.sep in commit or commit.startswith(".") or not os.path.isdir(snapshot):
-    return None
-  return snapshot
-
-
-def missing_tokenizer_message(value: str, resolved: str) -> str:
-  """Why the tokenizer path `value` (`resolved` once made absolute) cannot be loaded."""
-  message = (f"tokenizer path {resolved} does not exist; point it at a local tokenizer "
-             "folder or tokenizer.json file")
-  if _HUB_ID.fullmatch(value):
-    message += (f". {value!r} looks like a Hugging Face Hub id, and it is not in the local "
-                f"Hugging Face cache ({hub_cache_dir()}): bagel_grain reads tokenizers offline, "
-                f"so download it first (`hf download {value}` into that cache, or `hf download "
-                f"{value} --local-dir <folder>` and give that folder)")
-  return message
-
-
-def resolve_tokenizer_path(value: str, base_dir: str | None, *, file: str | None = None,
-                           key: str = "tokenizer_path") -> str:
-  """Where the tokenizer `value` is: a path (relative to `base_dir`) when one exists there,
-  else the cached snapshot of a Hub id (what NeMo loads after `hf download`).
-
-  ConfigError, naming `file` and `key`, when it is neither, or is not a regular file or
-  folder (a FIFO would block the loader).
-  """
-  path = fs.resolve(value, base_dir)
-  kind = fs.kind(path)
-  if kind == "missing" and _HUB_ID.fullmatch(value) and not fs.is_uri(value):
-    snapshot = cached_hub_snapshot(value)
-    if snapshot is not None:
-      return snapshot
-  if kind == "missing":
-    raise ConfigError(missing_tokenizer_message(value, path), file=file, key=key)
-  if kind not in ("file", "folder"):
-    raise ConfigError(_SPECIAL_FILE.format(path=path, kind=kind), file=file, key=key)
-  return path
-
-
-_SPECIAL_FILE = ("tokenizer path {path} is a {kind} (a FIFO, device or socket), never opened: "
-                 "give a tokenizer.json "
-                 "file or a tokenizer folder")
-
-
-def _check_folder_entries(folder: Path) -> None:
-  """Every entry of a tokenizer folder is a regular file or a folder: the Hugging Face
-  loader opens the ones it knows without asking, and would wait forever on a FIFO."""
-  for entry in os.scandir(folder):
-    try:
-      mode = os.stat(entry.path).st_mode  # follows the hub cache's links to its blobs
-    except OSError:
-      continue  # a dangling link: the loader says what it misses
-    if not (stat.S_ISREG(mode) or stat.S_ISDIR(mode)):
-      raise ConfigError(_SPECIAL_FILE.format(path=entry.path, kind="special file"),
-                        key="tokenizer_path")
-
 
 def _folder_error(path: Path, error: Exception) -> ConfigError:
   """What is wrong with a tokenizer folder the Hugging Face loader refused.
@@ -158,7 +75,7 @@ def _load_backend(path: Path) -> tuple[tokenizers.Tokenizer | None, Any]:
   if kind == "missing":
     raise ConfigError(missing_tokenizer_message(str(path), str(path)), key="tokenizer_path")
   if kind not in ("file", "folder"):
-    raise ConfigError(_SPECIAL_FILE.format(path=path, kind=kind), key="tokenizer_path")
+    raise ConfigError(SPECIAL_FILE.format(path=path, kind=kind), key="tokenizer_path")
   if kind == "file":
     try:
       return tokenizers.Tokenizer.from_file(str(path)), None
@@ -168,7 +85,7 @@ def _load_backend(path: Path) -> tuple[tokenizers.Tokenizer | None, Any]:
   with _quiet_transformers_import():
     import transformers  # slow import; only needed for directories
 
-  _check_folder_entries(path)
+  check_folder_entries(path)
   try:
     hf = transformers.AutoTokenizer.from_pretrained(str(path), local_files_only=True)
   except Exception as e:  # pylint: disable=broad-except  # a malformed file raises anything

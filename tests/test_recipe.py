@@ -209,7 +209,7 @@ def test_global_seed_changes_the_sampling_not_the_record_order(recipe, tmp_path)
 @pytest.mark.parametrize("section", ["tokenizer", "model"])
 def test_a_hub_id_from_either_key_loads_from_the_local_cache(recipe, tmp_path, demo_dir,
                                                              monkeypatch, section):
-  from test_tokenizer import fake_hub_cache  # pylint: disable=import-outside-toplevel
+  from test_tokenizer_path import fake_hub_cache  # pylint: disable=import-outside-toplevel
   monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
   snapshot = fake_hub_cache(tmp_path / "hub", "ByteDance-Seed/BAGEL-7B-MoT",
                             demo_dir / "tokenizer")

@@ -1,14 +1,11 @@
 """The tokenizer wrapper: BAGEL's special tokens, upstream's encode, pickling, fingerprint."""
 
 import importlib.util
-import os
 import pickle
 import re
-import shutil
 import subprocess
 import sys
 import textwrap
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -217,73 +214,3 @@ def test_a_malformed_tokenizer_json_in_a_folder_names_the_file(tmp_path):
   with pytest.raises(ConfigError, match=re.escape(f"{tmp_path / 'tokenizer.json'} is not a "
                                                   "tokenizers JSON file")):
     load_tokenizer(tmp_path)
-
-
-def test_a_fifo_as_the_tokenizer_path_is_refused_unopened(tmp_path):
-  from fifos import fifo  # pylint: disable=import-outside-toplevel
-  with fifo(tmp_path / "tokenizer.json") as rescued:
-    with pytest.raises(ConfigError, match=r"tokenizer\.json is a special file \(a FIFO"):
-      load_tokenizer(tmp_path / "tokenizer.json")
-  assert not rescued
-
-
-def test_a_fifo_inside_a_tokenizer_folder_is_refused_unopened(demo_tokenizer_dir, tmp_path):
-  folder = tmp_path / "tok"
-  shutil.copytree(demo_tokenizer_dir, folder)
-  (folder / "tokenizer.json").unlink()
-  from fifos import fifo  # pylint: disable=import-outside-toplevel
-  with fifo(folder / "tokenizer.json") as rescued:
-    with pytest.raises(ConfigError, match=r"tok/tokenizer\.json is a special file"):
-      load_tokenizer(folder)
-  assert not rescued
-
-
-# --- Hugging Face Hub ids: the local cache `hf download` fills ------------------------
-
-
-def fake_hub_cache(root, repo_id, tokenizer_dir, commit="0123456789abcdef0123456789abcdef01234567"):
-  """The hub cache layout: blobs, a snapshot of links to them, and refs/main."""
-  repo = root / ("models--" + repo_id.replace("/", "--"))
-  snapshot = repo / "snapshots" / commit
-  snapshot.mkdir(parents=True)
-  (repo / "blobs").mkdir()
-  for i, f in enumerate(sorted(tokenizer_dir.iterdir())):
-    blob = repo / "blobs" / f"blob{i}"
-    shutil.copy(f, blob)
-    (snapshot / f.name).symlink_to(os.path.relpath(blob, snapshot))
-  (repo / "refs").mkdir()
-  (repo / "refs" / "main").write_text(commit)
-  return snapshot
-
-
-@pytest.mark.parametrize("variable", ["HF_HUB_CACHE", "HF_HOME"])
-def test_a_hub_id_loads_from_the_local_cache(demo_tokenizer_dir, tmp_path, monkeypatch, variable):
-  cache = tmp_path / "hub"
-  snapshot = fake_hub_cache(cache, "ByteDance-Seed/BAGEL-7B-MoT", demo_tokenizer_dir)
-  for name in ("HF_HUB_CACHE", "HF_HOME", "XDG_CACHE_HOME"):
-    monkeypatch.delenv(name, raising=False)
-  monkeypatch.setenv(variable, str(cache if variable == "HF_HUB_CACHE" else tmp_path))
-  monkeypatch.chdir(tmp_path)  # no folder of that name here
-  tok = load_tokenizer("ByteDance-Seed/BAGEL-7B-MoT")
-  assert tok.path == snapshot
-  assert tok.fingerprint() == load_tokenizer(demo_tokenizer_dir).fingerprint()
-  with pytest.raises(ConfigError, match="not in the local Hugging Face cache"):
-    load_tokenizer("Qwen/Qwen2.5-7B-Instruct")
-
-
-def test_a_local_folder_named_like_a_hub_id_wins_over_the_cache(demo_tokenizer_dir, tmp_path,
-                                                                monkeypatch):
-  monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
-  fake_hub_cache(tmp_path / "hub", "Org/Tok", demo_tokenizer_dir)
-  shutil.copytree(demo_tokenizer_dir, tmp_path / "Org" / "Tok")
-  monkeypatch.chdir(tmp_path)
-  assert load_tokenizer("Org/Tok").path == Path("Org/Tok")
-
-
-def test_a_cache_without_refs_main_is_not_used(demo_tokenizer_dir, tmp_path, monkeypatch):
-  monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
-  fake_hub_cache(tmp_path / "hub", "Org/Tok", demo_tokenizer_dir)
-  (tmp_path / "hub" / "models--Org--Tok" / "refs" / "main").unlink()
-  monkeypatch.chdir(tmp_path)
-  with pytest.raises(ConfigError, match=re.escape("hf download Org/Tok")):
-    load_tokenizer("Org/Tok")
