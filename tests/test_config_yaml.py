@@ -4,7 +4,7 @@ import re
 
 import pytest
 import yaml
-from hypothesis import given, strategies as st
+from hypothesis import given, settings, strategies as st
 
 from bagel_grain.config import config_from_dict, load_config
 from bagel_grain.config_yaml import MAX_ALIAS_NODES, load_yaml_file, load_yaml_text, shown
@@ -59,7 +59,8 @@ def test_a_merge_key_may_be_overridden():
 
 @given(st.recursive(st.integers() | st.text(max_size=200),
                     lambda inner: st.lists(inner, max_size=50)
-                    | st.dictionaries(st.text(max_size=20), inner, max_size=50), max_leaves=500))
+                    | st.dictionaries(st.text(max_size=20), inner, max_size=50), max_leaves=200))
+@settings(max_examples=40, deadline=None)
 def test_shown_is_one_short_line(value):
   text = shown(value)
   assert len(text) <= 80 and "\n" not in text
