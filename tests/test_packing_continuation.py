@@ -8,13 +8,16 @@ import json
 import logging
 import shutil
 
+import hypothesis
 import jax.numpy as jnp
 import pytest
+from hypothesis import strategies as st
 
 from bagel_grain import build_pipeline
 from bagel_grain.configs import load_shipped
 from bagel_grain.errors import StateMismatchError
 from bagel_grain.jax import checkpoint_manager, restore, save
+from bagel_grain.packing.shards import merge_states
 from resume import take
 
 RECORDS = {"t2i_pretrain": 76, "unified_edit": 30, "vlm_sft": 60}  # the demo data's epoch
@@ -198,3 +201,54 @@ def test_the_same_data_elsewhere_is_the_same_stream(data, demo_tokenizer, tmp_pa
     after = list(it)
   counts = packed(before) + packed(after)
   assert all(n == 1 for n in counts.values()) and sum(counts.values()) == sum(RECORDS.values())
+
+
+GROUPS = ["t2i_pretrain", "unified_edit", "vlm_sft"]
+
+
+def run_stage(cfg, tokenizer, processes, rows, state, allow):
+  """Each of `processes` simulated processes restores `state` (None: a fresh start) and packs
+  `rows` rows (None: to the end); their samples and their states, merged."""
+  samples, states = collections.Counter(), []
+  for p in range(processes):
+    with iter(build_pipeline(cfg, tokenizer, batch_size=1, process_index=p,
+                             process_count=processes, workers=0)) as it:
+      if state is not None:
+        it.set_state(state, allow_changes=allow)
+      samples += packed(take(it, rows) if rows is not None else list(it))
+      states.append(json.loads(json.dumps(it.get_state())))
+  return samples, merge_states(states)
+
+
+@hypothesis.settings(max_examples=6, deadline=None, derandomize=True,
+                     suppress_health_check=[hypothesis.HealthCheck.function_scoped_fixture])
+@hypothesis.given(stages=st.lists(st.tuples(
+    st.sampled_from([1, 2, 4]),  # processes of the stage
+    st.integers(1, 3),  # rows per process before the next save
+    st.sampled_from(["weights", "add_group", "remove_group", "none"])), min_size=1, max_size=3))
+def test_stages_of_training_pack_every_record_at_most_once_and_the_kept_groups_exactly_once(
+    demo_dir, demo_tokenizer, stages):
+  """Random schedules: run, save, change weights or the groups at the end and the process
+  count, restore with allow_changes. A group that stays to the end packs each record of
+  its epoch once; nothing is ever packed twice."""
+  groups, weights = GROUPS[:2], {}
+  state, total, ever_removed = None, collections.Counter(), set()
+  for processes, rows, change in stages:
+    cfg = config(demo_dir, groups=groups, weights=weights, logical_shards=4)
+    samples, state = run_stage(cfg, demo_tokenizer, processes, rows, state, allow=True)
+    total += samples
+    if change == "weights":
+      weights = {g: float(1 + (len(total) + i) % 5) for i, g in enumerate(groups)}
+    elif change == "add_group" and len(groups) < 3 and GROUPS[len(groups)] not in ever_removed:
+      groups = GROUPS[:len(groups) + 1]  # (a group added again would start anew)
+    elif change == "remove_group" and len(groups) > 1:
+      ever_removed.add(groups[-1])
+      groups = groups[:-1]
+  cfg = config(demo_dir, groups=groups, weights=weights, logical_shards=4)
+  samples, _ = run_stage(cfg, demo_tokenizer, 2, None, state, allow=True)
+  total += samples
+  assert all(n == 1 for n in total.values()), [k for k, n in total.items() if n > 1]
+  by_group = collections.Counter(g for g, _ in total)
+  for g in groups:
+    if g not in ever_removed:
+      assert by_group[g] == RECORDS[g], (g, by_group)

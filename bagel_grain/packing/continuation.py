@@ -6,7 +6,8 @@ difference is refused by name. Asked to (`allow_changes=True` on `set_state` or
 
 - a group's weight changed: every group keeps its position (its epoch, its order,
   the records it already drew); the draws after the restore use the new weights;
-- groups added after the existing ones start at their epoch 0;
+- groups added after the existing ones start at their epoch 0 (a logical shard that
+  had run out of records serves theirs);
 - the last groups removed leave the state; their buffered and carried samples are
   not packed, and one warning names each group and counts them.
 
@@ -171,6 +172,8 @@ def _regrouped(stages: dict[str, Any], saved: Sequence[str],
       packer[field] = keep  # read as a list of the samples alone, as version 2 wrote it
     packer["stats"] = _regrouped_stats(_mapping(packer.get("stats")), ours)
     entry["packer"] = packer
+    if len(ours) > n:
+      entry["ended"] = False  # a shard whose groups ran out has the new groups' records
     shards[shard] = entry
   for group in saved[n:]:
     _log.warning("group %r left the stream at this restore (allow_changes): %d of its samples "
