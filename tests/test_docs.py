@@ -50,10 +50,15 @@ _PATH = re.compile(r"(?<![\w/.<>-])((?:\.\./)?(?:[\w.-]+/)+[\w.-]*\w\.(?:py|md|y
 _MODULE = re.compile(r"`(\w+\.py)`")
 
 
+_BUILT = {"out", ".venv", ".demo_data", ".bench_data"}  # folders the Makefile writes
+
+
 def _existing_path(page: Path, name: str) -> bool | None:
   """True/False whether `name` exists; None when it is not a path into the repository."""
   bases = [ROOT, ROOT / "bagel_grain", page.parent]
   first = Path(name.removeprefix("../")).parts[0]
+  if first in _BUILT:
+    return None  # made by a command (`make bench`), not shipped
   if not any((b / first).is_dir() or (b / name).parent.is_dir() for b in bases):
     return None
   return any((b / name).exists() for b in bases)

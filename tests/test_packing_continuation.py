@@ -7,6 +7,9 @@ import dataclasses
 import json
 import logging
 import shutil
+import subprocess
+import sys
+from pathlib import Path
 
 import hypothesis
 import jax.numpy as jnp
@@ -20,6 +23,7 @@ from bagel_grain.jax import checkpoint_manager, restore, save
 from bagel_grain.packing.shards import merge_states
 from resume import take
 
+TOOLS = Path(__file__).resolve().parents[1] / "tools"
 RECORDS = {"t2i_pretrain": 76, "unified_edit": 30, "vlm_sft": 60}  # the demo data's epoch
 
 
@@ -252,3 +256,11 @@ def test_stages_of_training_pack_every_record_at_most_once_and_the_kept_groups_e
   for g in groups:
     if g not in ever_removed:
       assert by_group[g] == RECORDS[g], (g, by_group)
+
+
+def test_the_stage_schedule_example_runs_and_packs_each_record_once(demo_dir):
+  done = subprocess.run([sys.executable, str(TOOLS / "stage_schedule.py"), "--data",
+                         str(demo_dir), "--steps", "2"], capture_output=True, text=True,
+                        timeout=300, check=False)
+  assert done.returncode == 0, done.stderr[-2000:]
+  assert "every record of the epoch packed once: yes" in done.stdout
