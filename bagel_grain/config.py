@@ -10,13 +10,13 @@ and the key.
 from __future__ import annotations
 
 import dataclasses
+import math
 import numbers
 import os
 from typing import Any, Mapping
 
-import yaml
-
 from bagel_grain import fs, recipe
+from bagel_grain.config_yaml import load_yaml_file, shown
 from bagel_grain.errors import ConfigError
 from bagel_grain.families.family import Family
 from bagel_grain.families.registry import FAMILIES
@@ -177,20 +177,11 @@ _INFO_KEYS = {"data_dir", "jsonl_path", "parquet_info_path", "array_record_path"
 _TRANSFORM_KEYS = {"image_stride", "max_image_size", "min_image_size", "max_pixels"}
 
 
-def _load_yaml(path: str) -> Any:
-  if not fs.exists(path):
-    raise ConfigError("config file not found", file=path)
-  try:
-    return yaml.safe_load(fs.read_bytes(path).decode("utf-8"))
-  except yaml.YAMLError as e:
-    raise ConfigError(f"invalid YAML: {e}", file=path) from None
-
-
 def _section(value: Any, base_dir: str, file: str, key: str) -> tuple[Mapping, str, str]:
   """An inline mapping, or a path to a YAML file holding it (then paths resolve there)."""
   if isinstance(value, str):
     path = fs.resolve(value, base_dir)
-    value = _load_yaml(path)
+    value = load_yaml_file(path, what=f"`{key}` file")
     file, base_dir = path, fs.dirname(path)
   if not isinstance(value, Mapping):
     raise ConfigError(f"`{key}` must be a mapping or a path to one", file=file, key=key)
@@ -203,7 +194,7 @@ def _number(value: Any, kind: type, *, file: str, group: str | None, key: str):
     ok = ok and float(value).is_integer()
   if not ok:
     raise ConfigError(f"`{key}` must be a {'whole number' if kind is int else 'number'}, "
-                      f"got {value!r}", file=file, group=group, key=key)
+                      f"got {shown(value)}", file=file, group=group, key=key)
   return kind(value)
 
 
@@ -212,8 +203,13 @@ def _check_range(value: float, least: float | None, greatest: float | None, *, f
   if not ((least is None or value >= least) and (greatest is None or value <= greatest)):
     bounds = (f"between {least} and {greatest}" if least is not None and greatest is not None
               else f">= {least}" if least is not None else f"<= {greatest}")
-    raise ConfigError(f"`{key}` must be {bounds}, got {value!r}", file=file, group=group,
+    raise ConfigError(f"`{key}` must be {bounds}, got {shown(value)}", file=file, group=group,
                       key=key)
+
+
+def _key_name(key: Any) -> str:
+  """A key as error messages name it: itself when a short string, else its short repr."""
+  return key if isinstance(key, str) and len(key) <= 80 else shown(key)
 
 
 def _check_keys(mapping: Mapping, allowed: set[str], *, file: str, group: str | None,
@@ -221,7 +217,7 @@ def _check_keys(mapping: Mapping, allowed: set[str], *, file: str, group: str | 
   for key in mapping:
     if key not in allowed:
       raise ConfigError(f"unknown key in {where}; allowed: {sorted(allowed)}",
-                        file=file, group=group, key=str(key))
+                        file=file, group=group, key=_key_name(key))
 
 
 def _transform(raw: Any, *, file: str, group: str, key: str) -> ImageTransform:
@@ -263,7 +259,7 @@ def _datasets(family: Family, raw: Mapping, info: Mapping, info_dir: str, info_f
   for name, n in zip(names, used):
     entry = group_info.get(name)
     if not isinstance(entry, Mapping):
-      raise ConfigError(f"dataset {name!r} is not in `dataset_info`", file=info_file,
+      raise ConfigError(f"dataset {shown(name)} is not in `dataset_info`", file=info_file,
                         group=group, key=name)
     _check_keys(entry, _INFO_KEYS, file=info_file, group=group, where=f"dataset_info.{name}")
     paths = {}
@@ -300,7 +296,7 @@ def _group(name: str, raw: Any, info: Mapping, info_dir: str, info_file: str,
   family = FAMILIES.get(name)
   if family is None:
     raise ConfigError(f"unknown dataset family; known: {list(FAMILIES)}", file=file,
-                      group=name, key=name)
+                      group=_key_name(name), key=_key_name(name))
   if not isinstance(raw, Mapping):
     raise ConfigError("a group must be a mapping", file=file, group=name, key=name)
   _check_keys(raw, _GROUP_KEYS, file=file, group=name, where="grouped_datasets")
@@ -389,6 +385,11 @@ def _check_geometry(cfg: PipelineConfig, file: str) -> None:
   if not any(g.weight > 0 for g in cfg.groups):
     raise ConfigError("at least one group needs a positive `weight`", file=file,
                       key="weight")
+  # The mixer divides by the weights' sum: an overflow there would make every share nan.
+  if not math.isfinite(sum(g.weight for g in cfg.groups)):
+    weights = ", ".join(f"{g.name}: {g.weight!r}" for g in cfg.groups)
+    raise ConfigError(f"the groups' weights ({weights}) add up to more than a float holds; "
+                      "only their ratios matter: scale them down", file=file, key="weight")
   if cfg.logical_shards is not None and cfg.logical_shards < 1:
     raise ConfigError(f"`logical_shards` must be >= 1 (or unset), got {cfg.logical_shards}",
                       file=file, key="logical_shards")
@@ -403,15 +404,13 @@ def _top_level(raw: Mapping, file: str, base_dir: str,
     if key not in _PACKING_FIELDS:
       raise ConfigError(
           "unknown top-level key; expected `grouped_datasets`, `dataset_info`, a NeMo "
-          f"recipe section or one of {sorted(_PACKING_FIELDS)}", file=file, key=str(key))
+          f"recipe section or one of {sorted(_PACKING_FIELDS)}", file=file, key=_key_name(key))
     kind, name = types[key], written.get(key, key)
     if value is None and "None" in kind:
       kwargs[key] = None
     elif key == "tokenizer_path":
-      kwargs[key] = fs.resolve(str(value), base_dir)
-      if not fs.exists(kwargs[key]):
-        from bagel_grain.tokenizer import missing_tokenizer_message  # pylint: disable=import-outside-toplevel
-        raise ConfigError(missing_tokenizer_message(str(value), kwargs[key]), file=file, key=name)
+      from bagel_grain.tokenizer_path import resolve_tokenizer_path  # pylint: disable=import-outside-toplevel
+      kwargs[key] = resolve_tokenizer_path(str(value), base_dir, file=file, key=name)
     elif kind.startswith("bool"):
       if not isinstance(value, bool):
         raise ConfigError(f"`{name}` must be true or false", file=file, key=name)
@@ -452,7 +451,7 @@ def config_from_dict(raw: Mapping, *, file: str = "<dict>", base_dir: str = ".")
 def load_config(path: str | os.PathLike, **overrides: Any) -> PipelineConfig:
   """Loads a YAML config; keyword overrides replace top-level fields after validation."""
   path = str(path)
-  raw = _load_yaml(path)
+  raw = load_yaml_file(path)
   cfg = config_from_dict(raw, file=path, base_dir=fs.dirname(path))
   if overrides:
     cfg = dataclasses.replace(cfg, **overrides)

@@ -12,13 +12,13 @@ import dataclasses
 import functools
 import hashlib
 import json
-from typing import Any
+from typing import Any, Mapping, Sequence
 
 import grain
 import numpy as np
 
 from bagel_grain import fs, images, storage
-from bagel_grain.config import STREAM_NEUTRAL_FIELDS, PipelineConfig
+from bagel_grain.config import STREAM_NEUTRAL_FIELDS, GroupConfig, PipelineConfig
 from bagel_grain.errors import ConfigError, DatasetError
 from bagel_grain.families.base import FamilyTransform
 from bagel_grain.packing.batch import BatchDataset, BatchIterator
@@ -30,7 +30,9 @@ from bagel_grain.packing.pack import PackDataset, PackSpec
 from bagel_grain.packing.prepare import PrepareSample
 from bagel_grain.packing.row import Capacities, default_capacities
 from bagel_grain.packing.shards import ShardInterleaveDataset
+from bagel_grain.packing.state import StreamIdentity
 from bagel_grain.sources import readahead
+from bagel_grain.sources.manifest import Manifest, dataset_manifest
 from bagel_grain.sources.records import ConcatSource, ShuffledRecords, dataset_roots
 
 
@@ -185,20 +187,66 @@ def capacities(cfg: PipelineConfig) -> Capacities:
   return dataclasses.replace(caps, **overrides)
 
 
-def fingerprint(cfg: PipelineConfig, tokenizer, *, seed: int,
-                shard_count: int) -> dict[str, Any]:
+def fingerprint(cfg: PipelineConfig, tokenizer, *, seed: int, shard_count: int,
+                manifests: Mapping[str, Mapping[str, Manifest]] | None = None) -> dict[str, Any]:
   """What shapes the stream, field by field; a restore under a different one is refused,
   naming each field that changed. Fields that never change a row
-  (`config.STREAM_NEUTRAL_FIELDS`) are left out; each group is one short hash.
+  (`config.STREAM_NEUTRAL_FIELDS`) are left out. A group is its weight, whether it is
+  mandatory, its datasets' names and counts, and one short hash of the rest; where
+  the data lives is not in it (the same data in a bucket is the same stream), what
+  it holds is: `data`, each dataset's manifest summary.
 
   The process index and count are not in it: with `logical_shards` set, a state
   restores under any process count (docs/elastic.md).
   """
-  shaping = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)
-             if f.name not in STREAM_NEUTRAL_FIELDS and f.name != "groups"}
+  groups = {g.name: _group_fingerprint(g) for g in cfg.groups}
+  data = {group: {name: m.summary() for name, m in datasets.items()}
+          for group, datasets in (manifests or {}).items()}
+  return {"config": {**_shaping(cfg), "groups": groups}, "tokenizer": tokenizer.fingerprint(),
+          "seed": int(seed), "logical_shards": int(shard_count), "data": data}
+
+
+def _shaping(cfg: PipelineConfig) -> dict[str, Any]:
+  return {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)
+          if f.name not in STREAM_NEUTRAL_FIELDS and f.name != "groups"}
+
+
+def _group_fingerprint(group: GroupConfig) -> dict[str, Any]:
+  rest = {k: v for k, v in dataclasses.asdict(group).items()
+          if k not in ("name", "weight", "is_mandatory", "datasets")}
+  return {"weight": group.weight, "is_mandatory": group.is_mandatory,
+          "datasets": [[d.name, d.num_used_data,
+                        "array_record" if d.array_record_path else
+                        "jsonl" if d.jsonl_path else "parquet"] for d in group.datasets],
+          "options": _short_hash(rest)}
+
+
+def legacy_fingerprint(cfg: PipelineConfig, tokenizer, *, seed: int,
+                       shard_count: int) -> dict[str, Any]:
+  """The fingerprint state versions 1 and 2 wrote: each group one hash of its config (paths
+  included), no data."""
   groups = {g.name: _short_hash(dataclasses.asdict(g)) for g in cfg.groups}
-  return {"config": {**shaping, "groups": groups}, "tokenizer": tokenizer.fingerprint(),
+  return {"config": {**_shaping(cfg), "groups": groups}, "tokenizer": tokenizer.fingerprint(),
           "seed": int(seed), "logical_shards": int(shard_count)}
+
+
+def _config_defaults() -> dict[str, Any]:
+  """Each shaping config field's default, as a fingerprint key: what a state saved before
+  the field existed stands for."""
+  return {f"config.{f.name}": f.default for f in dataclasses.fields(PipelineConfig)
+          if f.default is not dataclasses.MISSING}
+
+
+def stream_identity(cfg: PipelineConfig, tokenizer, *, seed: int, shard_count: int,
+                    sources: Sequence[ConcatSource]) -> StreamIdentity:
+  """What a saved state must match (see `StreamIdentity`), with each dataset's manifest."""
+  manifests = {g.name: {d.name: dataset_manifest(d, part)
+                        for d, part in zip(g.datasets, source.sources)}
+               for g, source in zip(cfg.groups, sources)}
+  return StreamIdentity(
+      fingerprint(cfg, tokenizer, seed=seed, shard_count=shard_count, manifests=manifests),
+      legacy=legacy_fingerprint(cfg, tokenizer, seed=seed, shard_count=shard_count),
+      defaults=_config_defaults(), manifests=manifests)
 
 
 def _short_hash(value: Any) -> str:
@@ -257,8 +305,8 @@ def build_pipeline(cfg: PipelineConfig, tokenizer, *, seed: int | None = None,
                                                            len(served) > 1),
                                 names=[g.name for _ in served for g in cfg.groups]))
   return BatchDataset(rows, batch_size=cfg.batch_size if batch_size is None else batch_size,
-                      capacities=caps, fingerprint=fingerprint(cfg, tokenizer, seed=seed,
-                                                               shard_count=count))
+                      capacities=caps, identity=stream_identity(
+                          cfg, tokenizer, seed=seed, shard_count=count, sources=sources))
 
 
 def _describe(cfg: PipelineConfig, described: list[tuple[int, ShuffledRecords]],

@@ -8,7 +8,6 @@ import hashlib
 import json
 import logging
 import os
-import re
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -17,6 +16,8 @@ import tokenizers
 
 from bagel_grain import fs
 from bagel_grain.errors import ConfigError
+from bagel_grain.tokenizer_path import (SPECIAL_FILE, check_folder_entries,
+                                        missing_tokenizer_message, resolve_tokenizer_path)
 # One definition, shared with the packer that consumes the ids.
 from bagel_grain.sample import SpecialTokens
 
@@ -27,19 +28,21 @@ START_OF_IMAGE_TOKEN = "<|vision_start|>"
 END_OF_IMAGE_TOKEN = "<|vision_end|>"
 BAGEL_TOKENS = (BOS_TOKEN, EOS_TOKEN, START_OF_IMAGE_TOKEN, END_OF_IMAGE_TOKEN)
 
-# `organisation/name`, the shape of a Hugging Face Hub id.
-_HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
+def _folder_error(path: Path, error: Exception) -> ConfigError:
+  """What is wrong with a tokenizer folder the Hugging Face loader refused.
 
-
-def missing_tokenizer_message(value: str, resolved: str) -> str:
-  """Why the tokenizer path `value` (`resolved` once made absolute) cannot be loaded."""
-  message = (f"tokenizer path {resolved} does not exist; point it at a local tokenizer "
-             "folder or tokenizer.json file")
-  if _HUB_ID.fullmatch(value):
-    message += (f". {value!r} looks like a Hugging Face Hub id: bagel_grain reads "
-                "tokenizers offline, so download it first (`hf download "
-                f"{value} --local-dir <folder>`) and give that folder")
-  return message
+  transformers reports a malformed `tokenizer.json` as whatever it tripped on (a
+  `KeyError: 'added_tokens'` for `{"model": 1}`): the Rust loader names the file.
+  """
+  json_file = path / "tokenizer.json"
+  if json_file.is_file():
+    try:
+      tokenizers.Tokenizer.from_file(str(json_file))
+    except Exception as e:  # pylint: disable=broad-except  # the Rust loader's bare Exception
+      return ConfigError(f"{json_file} is not a tokenizers JSON file: {e}",
+                         key="tokenizer_path")
+  return ConfigError(f"cannot load a Hugging Face tokenizer from {path}: "
+                     f"{type(error).__name__}: {error}", key="tokenizer_path")
 
 
 class _DropTorchAdvice(logging.Filter):
@@ -68,9 +71,12 @@ def _load_backend(path: Path) -> tuple[tokenizers.Tokenizer | None, Any]:
   pipeline from its own config gets the same ids as in upstream; the Rust object it
   wraps is then used directly (one call, no Python-side per-token work).
   """
-  if not path.exists():
+  kind = fs.kind(str(path))
+  if kind == "missing":
     raise ConfigError(missing_tokenizer_message(str(path), str(path)), key="tokenizer_path")
-  if path.is_file():
+  if kind not in ("file", "folder"):
+    raise ConfigError(SPECIAL_FILE.format(path=path, kind=kind), key="tokenizer_path")
+  if kind == "file":
     try:
       return tokenizers.Tokenizer.from_file(str(path)), None
     except Exception as e:  # the Rust loader raises a bare Exception
@@ -79,11 +85,11 @@ def _load_backend(path: Path) -> tuple[tokenizers.Tokenizer | None, Any]:
   with _quiet_transformers_import():
     import transformers  # slow import; only needed for directories
 
+  check_folder_entries(path)
   try:
     hf = transformers.AutoTokenizer.from_pretrained(str(path), local_files_only=True)
-  except (OSError, ValueError) as e:
-    raise ConfigError(f"cannot load a Hugging Face tokenizer from {path}: {e}",
-                      key="tokenizer_path") from e
+  except Exception as e:  # pylint: disable=broad-except  # a malformed file raises anything
+    raise _folder_error(path, e) from e
   return getattr(hf, "backend_tokenizer", None), hf
 
 
@@ -222,9 +228,12 @@ class Tokenizer:
 def load_tokenizer(path: str | os.PathLike[str] | None) -> Tokenizer:
   """Loads a `tokenizer.json` file or a Hugging Face tokenizer directory (no hub access).
 
-  A gs:// or s3:// path is copied to a temporary folder first, loaded, and deleted.
+  A Hub id (`Qwen/Qwen2.5-7B-Instruct`) that is not a local path loads from the local
+  Hugging Face cache when `hf download` put it there. A gs:// or s3:// path is copied
+  to a temporary folder first, loaded, and deleted.
   """
   if path is None:
     return Tokenizer(None)  # the error that says where to set the path
-  with fs.LocalCopy(str(path)) as local:
+  path = resolve_tokenizer_path(str(path), None)
+  with fs.LocalCopy(path) as local:
     return Tokenizer(local)

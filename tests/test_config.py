@@ -339,3 +339,42 @@ def test_fewer_records_than_processes_names_the_group(demo_config, demo_tokenize
   with pytest.raises(DatasetError, match=r"group 't2i_pretrain' has 76 records, fewer than the "
                      r"100 logical shards that share it \(one per process.*'demo_t2i'.*has 76"):
     build_pipeline(demo_config, demo_tokenizer, process_index=0, process_count=100)
+
+
+def test_weights_whose_sum_overflows_are_refused_naming_them(demo_dir):
+  raw = yaml.safe_load(shipped_path("demo").read_text())
+  raw["dataset_info"] = str(demo_dir / "dataset_info.yaml")
+  raw["tokenizer_path"] = str(demo_dir / "tokenizer")
+  for group in raw["grouped_datasets"].values():
+    group["weight"] = 1e308  # each finite; their sum is not
+  with pytest.raises(ConfigError, match=r"weights \(t2i_pretrain: 1e\+308, unified_edit: "
+                     r"1e\+308, vlm_sft: 1e\+308\) add up to more than a float holds"):
+    config_from_dict(raw, file="w.yaml", base_dir=str(CONFIGS))
+  for group in raw["grouped_datasets"].values():
+    group["weight"] = 5e307  # the largest that still add up: loads as before
+  cfg = config_from_dict(raw, file="w.yaml", base_dir=str(CONFIGS))
+  assert [g.weight for g in cfg.groups] == [5e307] * 3
+
+
+@pytest.mark.parametrize("key", ["tokenizer_path", "parquet_info_path", "jsonl_path"])
+def test_a_fifo_where_the_config_names_a_file_is_refused_unopened(demo_dir, tmp_path, key):
+  from fifos import fifo  # pylint: disable=import-outside-toplevel
+  raw = yaml.safe_load(shipped_path("demo").read_text())
+  info = yaml.safe_load((demo_dir / "dataset_info.yaml").read_text())
+  raw["dataset_info"], raw["tokenizer_path"] = info, str(demo_dir / "tokenizer")
+  for group in info.values():
+    for entry in group.values():
+      entry["data_dir"] = str(demo_dir / entry["data_dir"])
+      for k in ("jsonl_path", "parquet_info_path"):
+        if k in entry:
+          entry[k] = str(demo_dir / entry[k])
+  target = tmp_path / "fifo"
+  if key == "tokenizer_path":
+    raw[key] = str(target)
+  else:
+    group = "vlm_sft" if key == "jsonl_path" else "unified_edit"
+    next(iter(info[group].values()))[key] = str(target)
+  with fifo(target) as rescued:
+    with pytest.raises(ConfigError, match=re.escape(f"{target} is a special file")):
+      config_from_dict(raw, file="f.yaml", base_dir=str(tmp_path))
+  assert not rescued

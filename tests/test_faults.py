@@ -4,6 +4,7 @@ Every wait here is under a deadline (signal.alarm, or a child process with a
 timeout), so a hang fails the test instead of stalling CI.
 """
 
+import dataclasses
 import json
 import shutil
 import subprocess
@@ -12,10 +13,12 @@ import textwrap
 from pathlib import Path
 
 import psutil
+import pyarrow.parquet as pq
 import pytest
 import yaml
 
 from bagel_grain.config import config_from_dict
+from bagel_grain.errors import GroupExhaustedError
 from bagel_grain.pipeline import build_pipeline, pipeline_stats
 from deadline import deadline
 
@@ -196,10 +199,10 @@ def _t2i_copy_config(demo_dir: Path, tmp_path: Path):
   return config_from_dict(raw, file="demo.yaml", base_dir=str(CONFIGS))
 
 
-@pytest.mark.parametrize("damage", ["garbage", "deleted"])
+@pytest.mark.parametrize("damage", ["garbage", "deleted", "rewritten_shorter"])
 def test_parquet_shard_unreadable_mid_run_is_counted_not_fatal(demo_dir, demo_tokenizer,
                                                                tmp_path, damage):
-  cfg = _t2i_copy_config(demo_dir, tmp_path)
+  cfg = dataclasses.replace(_t2i_copy_config(demo_dir, tmp_path), max_row_group_cache_bytes=0)
   shard = tmp_path / "t2i" / "part-00000.parquet"
   it = iter(build_pipeline(cfg, demo_tokenizer, batch_size=1, workers=0))
   packed = []
@@ -207,8 +210,10 @@ def test_parquet_shard_unreadable_mid_run_is_counted_not_fatal(demo_dir, demo_to
     first = next(it)
     if damage == "garbage":
       shard.write_bytes(b"not a parquet file any more " * 100)
-    else:
+    elif damage == "deleted":
       shard.unlink()
+    else:  # 2 rows where 40 were indexed: the rows no longer there are dropped
+      pq.write_table(pq.read_table(shard).slice(0, 2), shard)
     batches = [first] + list(it)
   stats = pipeline_stats(it)
   it.close()
@@ -236,3 +241,29 @@ def test_soak_smoke(demo_dir, tmp_path):
   assert summary["counters"]["dropped"] > 0 and summary["workers_left_after_close"] == []
   assert child.stdout.count("balanced") >= 2  # periodic reports
   assert "NOT BALANCED" not in child.stdout
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_jsonl_deleted_mid_run_stops_its_group_whatever_the_worker_count(
+    demo_dir, demo_tokenizer, tmp_path, workers):
+  shutil.copytree(demo_dir / "vlm", tmp_path / "vlm")
+  info = yaml.safe_load((demo_dir / "dataset_info.yaml").read_text())
+  for group in info.values():
+    for spec in group.values():
+      for key in ("data_dir", "jsonl_path", "parquet_info_path"):
+        if key in spec:
+          spec[key] = str((tmp_path if group is info["vlm_sft"] else demo_dir) / spec[key])
+  raw = yaml.safe_load((CONFIGS / "demo.yaml").read_text())
+  raw.update(dataset_info=info, tokenizer_path=str(demo_dir / "tokenizer"), num_epochs=None)
+  cfg = config_from_dict(raw, file="demo.yaml", base_dir=str(CONFIGS))
+  it = iter(build_pipeline(cfg, demo_tokenizer, batch_size=1, workers=workers))
+  try:
+    with deadline(120):
+      next(it)  # the main process (0 workers) holds the file open from here
+      (tmp_path / "vlm" / "sft.jsonl").unlink()
+      with pytest.raises(GroupExhaustedError, match=r"group 'vlm_sft'.*unreadable_file.*"
+                         r"sft\.jsonl"):
+        for _ in range(1000):
+          next(it)
+  finally:
+    it.close()

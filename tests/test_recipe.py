@@ -204,3 +204,34 @@ def test_global_seed_changes_the_sampling_not_the_record_order(recipe, tmp_path)
   recipe["dataset"]["data_seed"] = 5
   reordered, _ = _load(recipe, tmp_path)
   assert _record_ids(reordered, 0) != _record_ids(other, 0)
+
+
+@pytest.mark.parametrize("section", ["tokenizer", "model"])
+def test_a_hub_id_from_either_key_loads_from_the_local_cache(recipe, tmp_path, demo_dir,
+                                                             monkeypatch, section):
+  from test_tokenizer_path import fake_hub_cache  # pylint: disable=import-outside-toplevel
+  monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+  snapshot = fake_hub_cache(tmp_path / "hub", "ByteDance-Seed/BAGEL-7B-MoT",
+                            demo_dir / "tokenizer")
+  if section == "model":
+    del recipe["tokenizer"]  # NeMo's fine-tuning recipe: the model's id gives the tokenizer
+  recipe[section]["pretrained_model_name_or_path"] = "ByteDance-Seed/BAGEL-7B-MoT"
+  cfg, _ = _load(recipe, tmp_path)
+  assert Path(cfg.tokenizer_path) == snapshot
+  assert load_tokenizer(cfg.tokenizer_path).special == load_tokenizer(
+      demo_dir / "tokenizer").special
+
+
+@pytest.mark.parametrize("section", ["tokenizer", "model"])
+def test_a_hub_id_not_in_the_cache_gives_one_error_whichever_key(recipe, tmp_path, monkeypatch,
+                                                                 section):
+  monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "empty_hub"))
+  if section == "model":
+    del recipe["tokenizer"]
+  recipe[section]["pretrained_model_name_or_path"] = "ByteDance-Seed/BAGEL-7B-MoT"
+  with pytest.raises(ConfigError) as e:
+    _load(recipe, tmp_path)
+  assert e.value.key == f"{section}.pretrained_model_name_or_path"
+  message = str(e.value)
+  assert f"not in the local Hugging Face cache ({tmp_path / 'empty_hub'})" in message
+  assert "`hf download ByteDance-Seed/BAGEL-7B-MoT` into that cache" in message

@@ -1,9 +1,12 @@
 """JSONL lines by byte offset: upstream's line splitting, shuffle and cut."""
 
+import os
+import pickle
 import random
 
 import pytest
 
+from bagel_grain.drops import Drop, DropReason
 from bagel_grain.sources import sidecar
 from bagel_grain.sources.jsonl import JsonlLineSource
 
@@ -53,3 +56,48 @@ def test_jsonl_cut_without_shuffle_keeps_the_first_lines(tmp_path):
   path.write_text("a\nb\nc\nd\n")
   source = JsonlLineSource(str(path), num_used=2)
   assert [source[i] for i in range(len(source))] == [b"a", b"b"]
+
+
+# --- a file that changes while the stream runs: every process drops its lines ----------
+
+
+def test_a_deleted_file_drops_its_lines_in_the_process_that_had_it_open(tmp_path):
+  path = tmp_path / "rows.jsonl"
+  path.write_text("".join(f'{{"n": {i}}}\n' for i in range(5)))
+  source = JsonlLineSource(str(path))
+  assert source[0] == b'{"n": 0}'  # opened
+  worker_copy = pickle.loads(pickle.dumps(source))  # what a worker gets: not yet opened
+  path.unlink()
+  with pytest.raises(Drop, match=r"rows\.jsonl was deleted while the stream ran") as e:
+    source[1]
+  assert e.value.reason == DropReason.UNREADABLE_FILE
+  with pytest.raises(FileNotFoundError):  # records.py counts it as unreadable_file too
+    worker_copy[1]
+
+
+@pytest.mark.parametrize("opened_before", [True, False])
+def test_a_file_rewritten_in_place_drops_its_lines(tmp_path, opened_before):
+  path = tmp_path / "rows.jsonl"
+  path.write_text('{"n": 0}\n{"n": 1}\n')
+  source = JsonlLineSource(str(path))
+  if opened_before:
+    assert source[0] == b'{"n": 0}'
+  stat = path.stat()
+  path.write_text('{"n": 7}\n{"n": 8}\n')  # same size: only the time tells
+  os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns + 1_000_000))
+  with pytest.raises(Drop, match=r"rows\.jsonl changed since the stream was built") as e:
+    source[1]
+  assert e.value.reason == DropReason.UNREADABLE_FILE
+
+
+def test_an_unchanged_file_reads_through_a_pickled_copy(tmp_path):
+  path = tmp_path / "rows.jsonl"
+  path.write_text('{"n": 0}\n{"n": 1}\n')
+  source = pickle.loads(pickle.dumps(JsonlLineSource(str(path))))
+  assert [source[i] for i in range(2)] == [b'{"n": 0}', b'{"n": 1}']
+
+
+def test_a_bom_at_the_start_is_kept_for_the_family_to_accept(tmp_path):
+  path = tmp_path / "rows.jsonl"
+  path.write_bytes(b'\xef\xbb\xbf{"n": 0}\n{"n": 1}\n')
+  assert JsonlLineSource(str(path))[0] == b'\xef\xbb\xbf{"n": 0}'

@@ -1,9 +1,15 @@
 """Parquet rows by row group: the footer index, row-group blocks, record ids, bad files."""
 
+import pyarrow as pa
 import pytest
 
+import lying_parquet
+from bagel_grain.drops import Drop, DropReason
 from bagel_grain.errors import DatasetError
-from bagel_grain.sources.parquet import ParquetRowSource, dataset_files
+from bagel_grain.sources import sidecar
+from bagel_grain.sources.parquet import ParquetRowSource, dataset_catalog, dataset_files
+from bagel_grain.sources.parquet_footer import MAX_ROWS_PER_BYTE
+from bagel_grain.sources.records import ConcatSource, ShuffledRecords
 from parquet_files import ALL_IDS, NON_EMPTY_ROW_GROUPS, two_files, write_parquet
 
 
@@ -63,3 +69,105 @@ def test_missing_column_names_the_file_and_field(files):
     ParquetRowSource([a], ["id", "captions"])
   assert info.value.file == a and info.value.field == "captions"
   assert a in str(info.value)
+
+
+# --- files that lie: footers whose counts cannot be true, files rewritten mid-run --------
+
+
+@pytest.mark.parametrize("claimed", [10**7, 10**9])
+def test_a_footer_claiming_more_rows_than_its_columns_hold_is_refused(tmp_path, claimed):
+  path = write_parquet(tmp_path / "lie.parquet", [["a", "b", "c", "d"]])
+  lying_parquet.claim_rows(path, 0, claimed)
+  with pytest.raises(DatasetError, match=f"row group 0 claims {claimed} rows, but its column "
+                     "'id' holds 4 values") as e:
+    ParquetRowSource([path], ["id"])
+  assert e.value.file == path
+  with pytest.raises(DatasetError, match="footer cannot be true"):
+    sidecar.write_parquet_index(str(tmp_path))  # `bagel-grain index` refuses it too
+
+
+def test_a_footer_lying_alike_everywhere_is_refused_by_its_size(tmp_path):
+  path = write_parquet(tmp_path / "lie.parquet", [["a", "b", "c", "d"]])
+  lying_parquet.claim_rows(path, 0, 10**7, consistent=True)
+  with pytest.raises(DatasetError, match=r"claims 10000000 rows in \d+ bytes of column chunks,"
+                     f" more than {MAX_ROWS_PER_BYTE} rows a byte") as e:
+    ParquetRowSource([path], ["id"])
+  assert e.value.file == path
+
+
+def test_a_footer_whose_total_disagrees_with_its_row_groups_is_refused(tmp_path):
+  path = write_parquet(tmp_path / "lie.parquet", [["a", "b"], ["c"]])
+  body, footer = lying_parquet.read_footer(path)
+  next(f for f in footer if f[0] == 3)[2] = 10**9  # FileMetaData.num_rows
+  lying_parquet.write_footer(path, body, footer)
+  with pytest.raises(DatasetError, match="row groups hold 3 rows in all, its footer says "
+                     "1000000000"):
+    ParquetRowSource([path], ["id"])
+
+
+def test_rows_a_plausible_lying_footer_claims_are_dropped_naming_the_file(files, tmp_path):
+  a, _ = files
+  path = write_parquet(tmp_path / "lie.parquet", [["x0", "x1", "x2", "x3"]])
+  lying_parquet.claim_rows(path, 0, 40, consistent=True)  # passes every footer check
+  source = ParquetRowSource([a, path], ["id"])
+  assert len(source) == 50
+  assert [source[10 + i]["id"] for i in range(4)] == ["x0", "x1", "x2", "x3"]
+  for i in range(14, 50):
+    with pytest.raises(Drop) as e:
+      source[i]
+    assert e.value.reason == DropReason.UNREADABLE_FILE
+    assert str(e.value.dropped.detail).startswith(f"{path} row group 0 holds 4 rows, 40 were "
+                                                  "indexed")
+  assert source.row_group_reads == 1  # the short row group was read once, not per row
+
+
+def test_a_file_rewritten_shorter_mid_run_drops_the_rows_it_lost(files):
+  a, _ = files  # row groups of 3, 3, 3, 1 rows
+  source = ParquetRowSource([a], ["id"], cache_bytes=0)
+  assert len(source) == 10  # indexed
+  write_parquet(a, [["new:0", "new:1"]])  # rewritten in place: one row group of 2 rows
+  assert [source[i]["id"] for i in range(2)] == ["new:0", "new:1"]
+  for index, detail in ((2, f"{a} row group 0 holds 2 rows, 3 were indexed"),
+                        (3, f"{a} row group 1: the file has 1 row groups now"),
+                        (9, f"{a} row group 3: the file has 1 row groups now")):
+    with pytest.raises(Drop) as e:
+      source[index]
+    assert e.value.reason == DropReason.UNREADABLE_FILE
+    assert e.value.dropped.detail.startswith(detail)
+
+
+def test_a_rewritten_file_becomes_drops_in_the_stream_not_an_error(files):
+  a, b = files
+  dataset = ShuffledRecords(ConcatSource([ParquetRowSource([a, b], ["id"], cache_bytes=0)]),
+                            seed=3)
+  first = dataset[0]
+  assert first.error is None
+  write_parquet(a, [["new:0", "new:1"]])
+  write_parquet(b, [["new:0"]])
+  records = [dataset[i] for i in range(1, dataset.records_per_epoch)]
+  dropped = [r for r in records if r.error is not None]
+  # Served: rows that still exist, or rows of the row group in hand (read before); its
+  # group is at most 4 rows and 3 rows still exist.
+  in_hand = {"a": [["a:0", "a:1", "a:2"], ["a:3", "a:4", "a:5"], ["a:6", "a:7", "a:8"],
+                   ["a:9"]], "b": [["b:0", "b:1", "b:2", "b:3"], ["b:4", "b:5"]]}
+  group = next(g for g in in_hand[first.fields["id"][0]] if first.fields["id"] in g)
+  served = {r.fields["id"] for r in records if r.error is None}
+  assert served <= {"new:0", "new:1"} | set(group)
+  assert len(dropped) >= 16 - 1 - 3 - (len(group) - 1)
+  assert {r.error.reason for r in dropped} == {DropReason.UNREADABLE_FILE}
+  assert all(r.error.detail.startswith((a, b)) for r in dropped)
+
+
+def test_an_index_claiming_more_rows_than_its_file_can_hold_is_refused(tmp_path):
+  path = write_parquet(tmp_path / "a.parquet", [["a", "b", "c", "d"]])
+  index = sidecar.write_parquet_index(str(tmp_path))
+  with pa.OSFile(index) as f:
+    table = pa.ipc.open_file(f).read_all()
+  rows = pa.array([[10**9]], pa.list_(pa.int64()))
+  table = table.set_column(table.schema.get_field_index("row_group_rows"), "row_group_rows", rows)
+  with pa.OSFile(index, "wb") as out, pa.ipc.new_file(out, table.schema) as writer:
+    writer.write_table(table)
+  with pytest.raises(DatasetError, match=f"the sidecar index says 1000000000 rows for {path}, "
+                     r"a file of \d+ bytes") as e:
+    dataset_catalog(str(tmp_path), None, ["id"])
+  assert e.value.file == index

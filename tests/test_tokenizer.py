@@ -2,6 +2,7 @@
 
 import importlib.util
 import pickle
+import re
 import subprocess
 import sys
 import textwrap
@@ -202,3 +203,14 @@ def test_loading_a_tokenizer_folder_prints_no_torch_advice_in_any_process(demo_d
     bare = subprocess.run([sys.executable, "-c", "import transformers"], capture_output=True,
                           text=True, timeout=300, check=False)
     assert TORCH_ADVICE in bare.stderr
+
+
+# --- hostile paths and files ---------------------------------------------------------
+
+
+def test_a_malformed_tokenizer_json_in_a_folder_names_the_file(tmp_path):
+  (tmp_path / "tokenizer.json").write_text('{"model": 1}')
+  (tmp_path / "tokenizer_config.json").write_text("{}")
+  with pytest.raises(ConfigError, match=re.escape(f"{tmp_path / 'tokenizer.json'} is not a "
+                                                  "tokenizers JSON file")):
+    load_tokenizer(tmp_path)

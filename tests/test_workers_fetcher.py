@@ -359,3 +359,19 @@ def test_stalled_read_in_the_main_process_is_an_error_naming_group_index_and_rec
     it.close()
   assert re.search(r"group 'vlm_sft' element \d+ \(record .*sft\.jsonl:\d+\) took longer than "
                    r"element_timeout_s = 1 s in this process", str(failure.value)), failure.value
+
+
+def test_a_worker_killed_while_starting_is_named_killed_not_unguarded():
+  fetcher = Fetcher([Squares(10**6)], workers=1, depths=[2], timeout_s=60)
+  try:
+    with deadline(60):
+      (worker,) = workers_alive()
+      worker.kill()  # within milliseconds of its spawn: it is still importing
+      with pytest.raises(WorkerError) as e:
+        for index in range(10**6):  # computed inline until the pump notices the death
+          fetcher.get(0, index)
+  finally:
+    fetcher.close()
+  message = str(e.value)
+  assert f"worker process {worker.pid} was killed by SIGKILL (exit code -9)" in message
+  assert "__main__" not in message

@@ -4,7 +4,9 @@ Writes a corrupted copy of the demo data (a `--bad-fraction` of T2I images, edit
 chains and VLM lines replaced by bad ones) with a few hostile records besides (a
 few megabytes of text in a caption, an instruction and a VLM turn, an image file
 larger than `max_image_bytes`, a FIFO where an image should be, a 16-bit grey
-PNG of 9 Mpx), then pulls batches for the given time. Every `--report-every`
+PNG of 9 Mpx, a T2I parquet file whose footer claims twice the rows it holds;
+and, built apart, one claiming 1e9 rows, which the build must refuse), then pulls
+batches for the given time. Every `--report-every`
 seconds it prints the elapsed time, rows, the RSS of the main process and of
 each worker (MiB), and the packer's counters with whether they balance (drawn =
 packed + dropped + buffered + carried). At the end it prints a JSON summary with
@@ -90,6 +92,44 @@ def _corrupt_parquet(src: Path, dst: Path, fraction: float, rng: random.Random) 
   return len(bad) + 1
 
 
+LYING_FOOTER_ROWS = 4  # rows the lying file holds; its footer claims twice as many
+
+
+def lying_footer_file(t2i: Path) -> int:
+  """A T2I parquet file whose footer claims more rows than it holds, every count edited
+  alike (it passes the footer checks): its missing rows are dropped as `unreadable_file`
+  each epoch. Returns how many. A footer that contradicts itself is refused at build
+  time instead (`impossible_footer_refused`)."""
+  sys.path.insert(0, str(ROOT / "tests"))
+  import lying_parquet  # pylint: disable=import-outside-toplevel
+  src = sorted(t2i.glob("*.parquet"))[0]
+  path = t2i / "soak_lying_footer.parquet"
+  pq.write_table(pq.read_table(src).slice(0, LYING_FOOTER_ROWS), path)
+  lying_parquet.claim_rows(path, 0, 2 * LYING_FOOTER_ROWS, consistent=True)
+  return LYING_FOOTER_ROWS
+
+
+def impossible_footer_refused(t2i: Path, tmp: Path) -> str | None:
+  """Builds a catalog over a copy of `t2i` plus a file claiming 1e9 rows for 4: the build
+  must refuse it naming the file, before anything is sized by the claim. Returns the
+  error's text, or None when it was not refused."""
+  # pylint: disable=import-outside-toplevel
+  import lying_parquet
+  from bagel_grain.errors import DatasetError
+  from bagel_grain.sources.parquet import dataset_catalog
+  folder = tmp / "impossible_footer"
+  shutil.copytree(t2i, folder)
+  (folder / "soak_lying_footer.parquet").unlink(missing_ok=True)
+  path = folder / "zz_impossible.parquet"
+  pq.write_table(pq.read_table(sorted(t2i.glob("*.parquet"))[0]).slice(0, 4), path)
+  lying_parquet.claim_rows(path, 0, 10**9)
+  try:
+    dataset_catalog(str(folder), None, ["image", "captions"]).blocks(0, 1 << 30)
+  except DatasetError as e:
+    return str(e) if str(path) in str(e) else None
+  return None
+
+
 def corrupted_copy(demo: Path, out: Path, fraction: float, seed: int) -> dict[str, int]:
   """Writes the demo data with bad records into `out`; returns how many per group."""
   rng = random.Random(seed)
@@ -98,6 +138,7 @@ def corrupted_copy(demo: Path, out: Path, fraction: float, seed: int) -> dict[st
     (out / folder).mkdir(parents=True)
     for src in sorted((demo / folder).glob("*.parquet")):
       injected[group] += _corrupt_parquet(src, out / folder / src.name, fraction, rng)
+  injected["t2i_pretrain"] += lying_footer_file(out / "t2i")
   shutil.copytree(demo / "vlm", out / "vlm")
   (out / "vlm" / "images" / "soak_garbage.png").write_bytes(GARBAGE)
   _hostile_files(out / "vlm" / "images")
@@ -145,6 +186,7 @@ def soak(args) -> dict:
   try:
     demo = Path(args.data) if args.data else make_sample_data(tmp / "demo")
     injected = corrupted_copy(demo, tmp / "corrupted", args.bad_fraction, args.seed)
+    refused = impossible_footer_refused(tmp / "corrupted" / "t2i", tmp)
     raw = yaml.safe_load(Path(args.config).read_text())
     raw.update(dataset_info=str(tmp / "corrupted" / "dataset_info.yaml"),
                tokenizer_path=str(demo / "tokenizer"), num_epochs=None,
@@ -152,7 +194,7 @@ def soak(args) -> dict:
     cfg = config_from_dict(raw, file=args.config, base_dir=str(Path(args.config).parent))
     tokenizer = load_tokenizer(demo / "tokenizer" / "tokenizer.json")
     it = iter(build_pipeline(cfg, tokenizer, batch_size=args.batch_size, workers=args.workers))
-    return _run(it, pipeline_stats, args, injected)
+    return {**_run(it, pipeline_stats, args, injected), "impossible_footer_refused": refused}
   finally:
     if not args.keep:
       shutil.rmtree(tmp, ignore_errors=True)
@@ -262,6 +304,7 @@ def main(argv=None) -> int:
   if args.json:
     Path(args.json).write_text(text + "\n")
   failed = (not summary["balanced"] or summary["error"] is not None
+            or summary["impossible_footer_refused"] is None
             or summary["workers_left_after_close"]
             or summary["worker_pids_seen"] > max(args.workers, 0))
   return 1 if failed else 0

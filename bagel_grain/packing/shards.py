@@ -201,6 +201,21 @@ class ShardInterleaveIterator(PositionedStageIterator):
     return f"ShardInterleaveIterator(shards={tuple(self._packers)} of {self._shard_count})"
 
 
+def is_sharded(state: Any) -> bool:
+  """Whether `state` is a pipeline state of logical shards (what `split_state` takes)."""
+  return isinstance(state, dict) and "shards" in state and "logical_shards" in state
+
+
+def shard_count(state: dict[str, Any]) -> int:
+  """S, the logical shards the state's stream is defined over."""
+  return entry(state, "logical_shards")
+
+
+def served(state: dict[str, Any]) -> list[int]:
+  """The logical shards a state (or a process's own state) holds."""
+  return [int(s) for s in entry(state, "shards")]
+
+
 def split_state(state: dict[str, Any]) -> dict[int, dict[str, Any]]:
   """A pipeline state as one self-contained part per logical shard (a checkpoint file):
   the shard's entry beside everything the state holds for all shards."""
@@ -217,7 +232,12 @@ def joined_states(parts: Iterable[dict[str, Any]]) -> dict[str, Any]:
       entry(part, key)
     rest = {k: v for k, v in part.items() if k not in _SHARD_KEYS}
     if common is None:
-      common = rest
+      common, first = rest, part["shard"]
+    elif rest.get("save") != common.get("save"):
+      raise StateMismatchError(
+          f"logical shard {part['shard']} was saved by another save ({rest.get('save')}) than "
+          f"logical shard {first} ({common.get('save')}): the checkpoint mixes files of "
+          "different saves (a copy gone wrong, a partial sync?)")
     elif rest != common:
       raise StateMismatchError(f"logical shard {part['shard']} was saved by another stream "
                                f"than the other shards ({rest} vs {common})")

@@ -1,12 +1,26 @@
-"""Random access to JSONL lines through a byte-offset index (the file is never held whole)."""
+"""Random access to JSONL lines through a byte-offset index (the file is never held whole).
+
+Every process reads the file as the build found it, or not at all. Each process
+opens it itself (a worker on its first line), so a file deleted, replaced or
+rewritten while the stream runs would otherwise give each process whatever it
+opened: the main process kept reading a deleted file through its open handle
+while workers, opening it afresh, found nothing. Instead, a process checks that
+the file it opened is the one the build indexed (size and modification time),
+and a local file is checked again at every line (deleted, or changed, since it
+was opened): the lines of a file that changed are dropped as `unreadable_file`
+naming it, whatever the worker count.
+"""
 
 from __future__ import annotations
 
+import io
+import os
 import threading
 
 import numpy as np
 
 from bagel_grain import fs
+from bagel_grain.drops import Drop, DropReason
 from bagel_grain.sources import sidecar
 
 _LOADING = threading.Lock()  # a source is loaded once, whichever thread reads it first
@@ -28,6 +42,7 @@ class JsonlLineSource:
   def __init__(self, path: str, *, num_used: int | None = None, shuffle_lines: bool = False,
                shuffle_seed: int = 0):
     self._path = path
+    self._stamp = _stamp(path)  # before the scan: a change during it shows too
     self._index: sidecar.LineIndex | None = sidecar.LineIndex(path)
     count = self._index.count if num_used is None else min(num_used, self._index.count)
     self._seed = shuffle_seed if shuffle_lines else None
@@ -96,6 +111,56 @@ class JsonlLineSource:
   def __getitem__(self, index: int) -> bytes:
     self._load()
     if self._file is None:
-      self._file = fs.open_random_access(self._path)
+      self._file = _open_checked(self._path, self._stamp)
     data = self._file.read_at(int(self._length[index]), int(self._start[index]))
     return data[:-1] if data.endswith(b"\r") else data
+
+
+def _stamp(path: str) -> tuple[int, int]:
+  """(size, modification time in ns): what tells the file the build indexed."""
+  if fs.is_uri(path):
+    info = fs.file_info(path)
+    return int(info.size), int(info.mtime_ns or 0)
+  st = os.stat(path)
+  return st.st_size, st.st_mtime_ns
+
+
+def _changed(path: str, now: tuple[int, int], indexed: tuple[int, int]) -> Drop:
+  return Drop(DropReason.UNREADABLE_FILE,
+              f"{path} changed since the stream was built (size, mtime now {now}, then "
+              f"{indexed}): its lines are not read")
+
+
+def _open_checked(path: str, indexed: tuple[int, int]):
+  """The file opened for reading by offset, if it is still the one indexed; else Drop."""
+  if fs.is_uri(path):
+    now = _stamp(path)  # an object store has no open handle to hold: one request
+    if now != indexed:
+      raise _changed(path, now, indexed)
+    return fs.open_random_access(path)
+  return _LocalLines(path, indexed)
+
+
+class _LocalLines:
+  """A local JSONL file read with `pread`, checked at every read to be the one indexed.
+
+  One `fstat` a line (a microsecond) tells a deleted file (no link left) or one
+  rewritten in place; the descriptor closes with the object.
+  """
+
+  def __init__(self, path: str, indexed: tuple[int, int]):
+    self._path, self._indexed = path, indexed
+    self._file = io.FileIO(path, "r")
+    self._check()
+
+  def _check(self) -> None:
+    st = os.fstat(self._file.fileno())
+    if st.st_nlink == 0:
+      raise Drop(DropReason.UNREADABLE_FILE,
+                 f"{self._path} was deleted while the stream ran: its lines are not read")
+    if (st.st_size, st.st_mtime_ns) != self._indexed:
+      raise _changed(self._path, (st.st_size, st.st_mtime_ns), self._indexed)
+
+  def read_at(self, nbytes: int, offset: int) -> bytes:
+    self._check()
+    return os.pread(self._file.fileno(), nbytes, offset)

@@ -16,12 +16,18 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from bagel_grain import fs
+from bagel_grain.drops import Drop, DropReason
 from bagel_grain.errors import DatasetError
 from bagel_grain.sources.base import PartOffsets
-from bagel_grain.sources import sidecar
+from bagel_grain.sources import parquet_footer, sidecar
 
 DEFAULT_CACHE_BYTES = 256 << 20  # per source and process; rows come in row-group-blocked order
 _BATCH_BYTES = 1 << 20  # a row group is decoded this much at a time
+_UNDECODABLE_KEPT = 256
+
+
+class _RowGroupGone(Exception):
+  """The row group indexed at build time is not in the file any more (it was rewritten)."""
 
 
 class _RowGroupCache:
@@ -148,6 +154,10 @@ def dataset_catalog(data_dir: str, num_used: int | None, columns: Sequence[str],
     files = [files[i % len(files)] for i in range(num_used)]
   facts = sidecar.read_parquet_index(data_dir, listed)
   if facts is not None:
+    for info in listed:  # the index's counts size the order as a footer's would
+      path = fs.join(data_dir, info.base_name)
+      parquet_footer.check_indexed_rows(facts[path].row_group_rows, int(info.size), path,
+                                        fs.join(data_dir, sidecar.PARQUET_INDEX))
     return ParquetCatalog(files, columns, facts=facts)
   if parquet_info_path is not None:
     counts = sidecar.row_group_counts(files, sidecar.read_parquet_info(parquet_info_path))
@@ -180,6 +190,8 @@ class ParquetRowSource:
     self._cache = cache or _RowGroupCache(cache_bytes, readers)
     self._lock = threading.Lock()
     self._loading: dict[tuple[str, int], threading.Lock] = {}
+    # Row groups Arrow could not decode: {(file, row group): why}, a few per process.
+    self._undecodable: dict[tuple[str, int], str] = {}
     self.row_group_reads = 0
     self.bytes_read = 0  # decoded row-group bytes, against bytes_served: the cost of blocking
     self.bytes_served = 0
@@ -214,7 +226,7 @@ class ParquetRowSource:
   def __getstate__(self):
     self._build()  # workers get the arrays, never the catalog
     state = self.__dict__.copy()
-    state["_lock"], state["_loading"] = None, {}
+    state["_lock"], state["_loading"], state["_undecodable"] = None, {}, {}
     return state
 
   def __setstate__(self, state):
@@ -242,12 +254,24 @@ class ParquetRowSource:
       table = self._cache.get(key)
       if table is not None:
         return table
+      if key in self._undecodable:  # its other rows: dropped without reading it again
+        raise Drop(DropReason.UNREADABLE_FILE, self._undecodable[key])
       try:
         table = self._read(key[0], key[1], int(self._blocks.sizes[block]))
         with self._lock:
           self.row_group_reads += 1
           self.bytes_read += table.nbytes
         self._cache.put(key, table)
+      except (pa.ArrowException, _RowGroupGone) as e:
+        if isinstance(e, OSError):
+          raise  # an I/O error: the caller decides whether it lasts
+        # Arrow's verdict on the bytes (a row group the file no longer has, a damaged page)
+        detail = f"{key[0]} row group {key[1]}: {e}"
+        with self._lock:
+          if len(self._undecodable) >= _UNDECODABLE_KEPT:
+            self._undecodable.clear()
+          self._undecodable[key] = detail
+        raise Drop(DropReason.UNREADABLE_FILE, detail) from None
       finally:
         with self._lock:
           self._loading.pop(key, None)
@@ -262,6 +286,8 @@ class ParquetRowSource:
     """
     with fs.open_random_access(path) as f:
       parquet = pq.ParquetFile(f, buffer_size=_BATCH_BYTES, pre_buffer=False)
+      if row_group >= parquet.metadata.num_row_groups:
+        raise _RowGroupGone(f"the file has {parquet.metadata.num_row_groups} row groups now")
       nbytes = parquet.metadata.row_group(row_group).total_byte_size  # uncompressed
       self._cache.make_room(nbytes)
       batch_rows = max(1, min(rows, _BATCH_BYTES * rows // max(1, nbytes)))
@@ -273,6 +299,11 @@ class ParquetRowSource:
     self._build()
     block, row = self._blocks.locate(index)
     table = self._row_group(block)
+    if row >= table.num_rows:  # what was indexed is not there: rewritten, or a lying footer
+      raise Drop(DropReason.UNREADABLE_FILE, (
+          f"{self._files[self._block_file[block]]} row group {int(self._block_rg[block])} "
+          f"holds {table.num_rows} rows, {int(self._blocks.sizes[block])} were indexed: the "
+          "file changed since, or its footer lies"))
     fields = {name: table.column(name)[row].as_py() for name in self._columns}
     self.bytes_served += sum(_nbytes(v) for v in fields.values())
     return fields

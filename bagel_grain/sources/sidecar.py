@@ -33,6 +33,7 @@ from pyarrow import fs as pafs
 
 from bagel_grain import fs
 from bagel_grain.errors import DatasetError
+from bagel_grain.sources import parquet_footer
 
 log = logging.getLogger(__name__)
 
@@ -60,9 +61,11 @@ def _rebuild_hint(what: str) -> str:
 def read_footer(path: str) -> pq.FileMetaData:
   try:
     with fs.open_random_access(path) as f:
-      return pq.ParquetFile(f).metadata
+      meta, size = pq.ParquetFile(f).metadata, f.size()
   except (OSError, pa.ArrowException) as e:
     raise DatasetError(f"cannot read parquet footer: {e}", file=path) from None
+  parquet_footer.check_footer(meta, path, size)  # before any count sizes anything
+  return meta
 
 
 class ParquetFileFacts:

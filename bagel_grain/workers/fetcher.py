@@ -325,8 +325,10 @@ class Fetcher:
   def _exited(self, w: Worker) -> bool:
     with self._cond:
       if w.stage == "starting":
-        self._fail(f"{w.describe_exit()} while starting, before it ran any bagel_grain "
-                   f"code: {GUARD_HINT}.")
+        exit_ = w.describe_exit()  # a missing guard exits with an error, never by a signal
+        self._fail(f"{exit_} while starting, before it ran any bagel_grain code: " + (
+            "killed from outside (or by the out-of-memory killer)" if w.killed_by_signal
+            else GUARD_HINT) + ".")
       elif w.stage == "loading":
         self._fail(f"{w.describe_exit()} while loading the pipeline's datasets (killed, or "
                    "out of memory?)")

@@ -139,7 +139,18 @@ class Worker:
 
   def describe_exit(self) -> str:
     self.process.join(timeout=1)  # so that its exit code is known
-    return f"worker process {self.process.pid} exited (exit code {self.process.exitcode})"
+    code = self.process.exitcode
+    if code is not None and code < 0:  # what was observed: a signal, not a Python exit
+      try:
+        name = signal.Signals(-code).name
+      except ValueError:
+        name = f"signal {-code}"
+      return f"worker process {self.process.pid} was killed by {name} (exit code {code})"
+    return f"worker process {self.process.pid} exited (exit code {code})"
+
+  @property
+  def killed_by_signal(self) -> bool:
+    return self.process.exitcode is not None and self.process.exitcode < 0
 
 
 def start_workers(ctx, count: int) -> list[Worker]:

@@ -1,0 +1,79 @@
+"""Whether a parquet footer's row counts can be true, checked before anything is sized by them.
+
+A footer is a few hundred bytes anyone can edit: a 4-row row group may claim 1e9
+rows, and the epoch's order (a permutation of every row) would then take 8 GB.
+Before any count is used, each must agree with the rest of the footer and with
+the bytes the file holds:
+
+- the row groups' rows add up to the file's;
+- every column chunk holds at least one value (or null) per row its row group claims;
+- a row group claims at most `MAX_ROWS_PER_BYTE` rows per byte of its column chunks
+  on disk: pyarrow's own writer, with its 20,000-row page limit, reaches about 550
+  on a column of nulls, and no BAGEL row (an image, a caption) is that small. Rows
+  packed denser are refused as a decompression bomb would be.
+
+A footer that passes and still lies (every count edited alike) is found when the
+row group is read: `ParquetRowSource` drops the rows it does not hold.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import numpy as np
+import pyarrow.parquet as pq
+
+from bagel_grain.errors import DatasetError
+
+MAX_ROWS_PER_BYTE = 1000
+
+
+def check_footer(meta: pq.FileMetaData, path: str, file_bytes: int | None = None,
+                 columns: Sequence[str] | None = None) -> None:
+  """DatasetError naming `path` and the row group when its counts cannot be true.
+
+  `file_bytes`: the file's size, when known (the chunks' sizes are the footer's word
+  too). `columns`: the top-level columns whose chunks are checked (None: all of them).
+  """
+  claimed = [meta.row_group(i).num_rows for i in range(meta.num_row_groups)]
+  if sum(claimed) != meta.num_rows:
+    raise DatasetError(_lie(f"its row groups hold {sum(claimed)} rows in all, its footer says "
+                            f"{meta.num_rows}"), file=path)
+  for index, rows in enumerate(claimed):
+    if rows < 0:
+      raise DatasetError(_lie(f"row group {index} claims {rows} rows"), file=path)
+    if rows == 0:
+      continue
+    group = meta.row_group(index)
+    stored = 0
+    for j in range(group.num_columns):
+      chunk = group.column(j)
+      if columns is not None and chunk.path_in_schema.split(".")[0] not in columns:
+        continue
+      if chunk.num_values < rows:
+        raise DatasetError(_lie(f"row group {index} claims {rows} rows, but its column "
+                                f"{chunk.path_in_schema!r} holds {chunk.num_values} values"),
+                           file=path)
+      stored += max(0, chunk.total_compressed_size)
+    if file_bytes is not None:
+      stored = min(stored, file_bytes)
+    if rows > MAX_ROWS_PER_BYTE * stored:
+      raise DatasetError(_lie(f"row group {index} claims {rows} rows in {stored} bytes of "
+                              f"column chunks, more than {MAX_ROWS_PER_BYTE} rows a byte"),
+                         file=path)
+
+
+def _lie(what: str) -> str:
+  return (f"parquet footer cannot be true: {what}. The file is damaged or was edited: "
+          "rewrite it, or remove it from the dataset")
+
+
+def check_indexed_rows(row_group_rows: np.ndarray, file_bytes: int, path: str,
+                       index: str) -> None:
+  """The sidecar index's row counts for a file against the file's size (an index written
+  before these checks, or edited, is held to the same bound as a footer)."""
+  rows = int(np.sum(row_group_rows, dtype=np.int64))
+  if np.any(row_group_rows < 0) or rows > MAX_ROWS_PER_BYTE * file_bytes:
+    raise DatasetError(f"the sidecar index says {rows} rows for {path}, a file of {file_bytes} "
+                       f"bytes (at most {MAX_ROWS_PER_BYTE} rows a byte, none negative). Run "
+                       "`bagel-grain index CONFIG` again", file=index)
