@@ -11,8 +11,10 @@ Part 2 (`throughput`): the shipped demo config on its data (`make-sample-data`:
 a VLM JSONL line and its own image objects per sample, many small objects) and
 the shipped bench config on `make-bench-data` (large parquet row groups), each
 on local disk and on the S3 server behind the latency proxy at 0, 50 and 150 ms
-per request, with 2 workers: median rows/s and image tokens/s over three
-windows, and the ratio to local disk in the same run. The local server (moto)
+per request, with 2 workers: rows/s and image tokens/s (median of three windows),
+and the ratio to local disk; every place is measured once per round, each ratio
+against local disk of the same round, and the medians over the rounds reported
+(with the range of the ratios). The local server (moto)
 and the proxy share the machine's CPUs with the pipeline.
 
     python tools/storage_bench.py --out out/storage_bench.json
@@ -28,6 +30,7 @@ import io
 import json
 import os
 import resource
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -232,7 +235,7 @@ def _on(root: str, data: Path, shipped: str, tokenizer: Path) -> dict:
 
 
 def throughput(work: Path, data: Path | None, seconds: float, delays: list[float],
-               workers: list[int]) -> list[dict]:
+               workers: list[int], rounds: int = 3) -> list[dict]:
   """Rows/s and image tokens/s of the shipped demo config (a VLM JSONL line and its own
   image objects per sample: many small objects) and of the bench config (large parquet
   row groups), on local disk and on S3 behind the latency proxy, in one run."""
@@ -274,19 +277,41 @@ def throughput(work: Path, data: Path | None, seconds: float, delays: list[float
         else:
           os.environ[k] = v
 
-  for name, corpus, tokenizer_dir in corpora:
-    run(name, corpus, tokenizer_dir, "local disk", str(corpus), {})
   with LocalObjectStore("s3") as store:
     roots = {name: store.upload(str(corpus), name) for name, corpus, _ in corpora}
-    for delay in delays:
-      env = store.environment(store.proxy_port(delay) if delay else None)
+    places = [("local disk", None, {})] + [
+        (f"S3 at {delay:g} ms", "s3", store.environment(store.proxy_port(delay) if delay else None))
+        for delay in delays]
+    # Rounds of every place one after the other: on a shared machine the load drifts,
+    # and a ratio to local disk measured minutes apart would mostly measure the drift.
+    for round_ in range(rounds):
       for name, corpus, tokenizer_dir in corpora:
-        run(name, corpus, tokenizer_dir, f"S3 at {delay:g} ms", roots[name], env)
-  local = {(r["config"], r["workers"]): r["rows_per_s"] for r in results
-           if r["storage"] == "local disk"}
+        for where, remote, env in places:
+          run(name, corpus, tokenizer_dir, where, roots[name] if remote else str(corpus), env)
+          results[-len(workers):] = [{**r, "round": round_} for r in results[-len(workers):]]
   for r in results:
-    r["ratio_to_local"] = r["rows_per_s"] / local[r["config"], r["workers"]]
-  return results
+    local = next(x for x in results if x["storage"] == "local disk" and x["config"] == r["config"]
+                 and x["workers"] == r["workers"] and x["round"] == r["round"])
+    r["ratio_to_local"] = r["rows_per_s"] / local["rows_per_s"]
+    # Against the server without added latency: what latency costs, apart from the
+    # server's own CPU (moto serves each request in Python, on the same cores).
+    server = next((x for x in results if x["storage"] == "S3 at 0 ms"
+                   and x["config"] == r["config"] and x["workers"] == r["workers"]
+                   and x["round"] == r["round"]), None)
+    if server is not None and r["storage"].startswith("S3"):
+      r["ratio_to_s3_0ms"] = r["rows_per_s"] / server["rows_per_s"]
+  summary = []
+  for key in dict.fromkeys((r["config"], r["storage"], r["workers"]) for r in results):
+    same = [r for r in results if (r["config"], r["storage"], r["workers"]) == key]
+    summary.append({"config": key[0], "storage": key[1], "workers": key[2], "rounds": len(same),
+                    **{f: statistics.median(r[f] for r in same)
+                       for f in ("rows_per_s", "image_tokens_per_s", "ratio_to_local",
+                                 "first_batch_s")},
+                    **({"ratio_to_s3_0ms": statistics.median(r["ratio_to_s3_0ms"] for r in same)}
+                       if "ratio_to_s3_0ms" in same[0] else {}),
+                    "ratio_range": (f"{min(r['ratio_to_local'] for r in same):.2f}-"
+                                    f"{max(r['ratio_to_local'] for r in same):.2f}")})
+  return summary
 
 
 def _table(rows: list[dict], columns: list[tuple[str, str, str]]) -> str:
@@ -312,6 +337,8 @@ def main() -> None:
   parser.add_argument("--delays-ms", type=float, nargs="*", default=[0, 50, 150])
   parser.add_argument("--workers", type=int, nargs="*", default=[2])
   parser.add_argument("--seconds", type=float, default=12)
+  parser.add_argument("--rounds", type=int, default=3,
+                      help="throughput: every place measured once per round; medians reported")
   parser.add_argument("--bench-data", type=Path, default=None,
                       help="`bagel-grain make-bench-data` output to use (written there if absent)")
   parser.add_argument("--skip-startup", action="store_true")
@@ -334,11 +361,14 @@ def main() -> None:
           ("index_bytes_per_unit", "index B/unit", ".1f"), ("index_build_s", "index build s",
                                                           ".1f")]))
     if not args.skip_throughput:
-      report["throughput"] = throughput(Path(tmp), args.bench_data, args.seconds, args.delays_ms, args.workers)
+      report["throughput"] = throughput(Path(tmp), args.bench_data, args.seconds,
+                                        args.delays_ms, args.workers, args.rounds)
       print(_table(report["throughput"], [
           ("config", "config", ""), ("storage", "storage", ""), ("workers", "workers", ""),
           ("rows_per_s", "rows/s", ".2f"), ("image_tokens_per_s", "image tokens/s", ",.0f"),
-          ("ratio_to_local", "x local", ".2f"), ("first_batch_s", "first batch s", ".2f")]))
+          ("ratio_to_local", "x local", ".2f"), ("ratio_range", "x local, range", ""),
+          ("ratio_to_s3_0ms", "x S3 at 0 ms", ".2f"),
+          ("first_batch_s", "first batch s", ".2f")]))
   os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
   with open(args.out, "w") as f:
     json.dump(report, f, indent=1)
