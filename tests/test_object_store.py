@@ -197,7 +197,7 @@ def _through(proxy, store, monkeypatch) -> None:
     monkeypatch.setenv(name, value)
 
 
-OUTAGE_S = 6  # the issue's 10 s outage, shorter: the same path (retries, then success)
+OUTAGE_S = 4  # the issue's 10 s outage, shorter: the same path (retries, then success)
 
 
 @pytest.mark.parametrize("bucket, workers, fault", [
@@ -267,12 +267,12 @@ def test_an_object_deleted_after_indexing_is_dropped_as_missing(
                          indirect=["bucket"])
 def test_an_outage_past_the_deadline_is_a_clear_error_and_next_continues_after_it(
     bucket, workers, demo_dir, demo_tokenizer, local_epoch, monkeypatch):
-  # The 40 s outage of the issue against the default deadline, scaled down: a 2 s deadline
+  # The 40 s outage of the issue against the default deadline, scaled down: a 1.5 s deadline
   # and an outage of OUTAGE_S take the same path (retries exhausted, error, resume).
   store, root = bucket
   proxy = store.fault_proxy()
   _through(proxy, store, monkeypatch)
-  cfg = _epoch_config(root, demo_dir, storage_timeout_s=2)
+  cfg = _epoch_config(root, demo_dir, storage_timeout_s=1.5)
   keys, _, errors = _run_epoch(
       cfg, demo_tokenizer, workers, root, demo_dir,
       after_first=lambda: proxy.fault("refuse", seconds=OUTAGE_S),
