@@ -82,17 +82,35 @@ def test_a_shard_holds_sixteen_bytes_a_line_of_its_own_lines_only(tmp_path):
   assert sum(a.itemsize for a in arrays) == 16
 
 
-def test_jsonl_without_index_warns_and_with_a_stale_one_is_refused(tmp_path, caplog):
+def test_jsonl_without_index_warns_once_past_the_threshold_and_a_stale_one_is_refused(
+    tmp_path, caplog, monkeypatch):
   path = _jsonl(tmp_path)
   with caplog.at_level(logging.WARNING):
     JsonlLineSource(path)
-  assert "no sidecar index" in caplog.text
+  assert caplog.text == ""  # 50 lines: scanning them costs nothing worth a warning
+  monkeypatch.setattr(sidecar, "WARN_LINES", 50)
+  with caplog.at_level(logging.WARNING):
+    JsonlLineSource(path)
+    JsonlLineSource(path)
+  assert caplog.text.count("no sidecar index") == 1 and "its 50 lines" in caplog.text
   sidecar.write_jsonl_index(path)
   with open(path, "ab") as f:
     f.write(b'{"n": 50}\n')
   with pytest.raises(DatasetError, match="changed since the index was written") as e:
     JsonlLineSource(path)
   assert e.value.file.endswith(".bagel_index.json")
+
+
+def test_parquet_without_index_warns_once_past_the_threshold(tmp_path, caplog, monkeypatch):
+  folder = _parquet_dir(tmp_path)
+  with caplog.at_level(logging.WARNING):
+    dataset_source(folder, None, ["id"])
+  assert caplog.text == ""
+  monkeypatch.setattr(sidecar, "WARN_FILES", 4)
+  with caplog.at_level(logging.WARNING):
+    dataset_source(folder, None, ["id"])
+    dataset_source(folder, None, ["id"])
+  assert caplog.text.count("no sidecar index") == 1 and "4 parquet files" in caplog.text
 
 
 def _parquet_dir(tmp_path, files=4):

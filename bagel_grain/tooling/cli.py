@@ -17,11 +17,31 @@ import numpy as np
 
 
 def _make_sample_data(args) -> int:
-  from bagel_grain.tooling.demo_data import make_sample_data  # pylint: disable=import-outside-toplevel
+  # pylint: disable=import-outside-toplevel
+  from bagel_grain.configs import load_shipped
+  from bagel_grain.sources.sidecar import index_config
+  from bagel_grain.tooling.demo_data import make_sample_data
   start = time.perf_counter()
   out = make_sample_data(args.dir)
-  print(f"wrote demo data to {out} in {time.perf_counter() - start:.1f} s")
+  # The sidecar index, as a user would write it once per corpus: the demo's builds then
+  # read no footer. Written here, not by `make_sample_data`: the tests copy that data to
+  # buckets, where new modification times would make an index stale.
+  index_config(load_shipped("demo", out), _NoProgress)
+  print(f"wrote demo data and its sidecar index to {out} in {time.perf_counter() - start:.1f} s")
   return 0
+
+
+class _NoProgress:
+  """A progress bar that shows nothing (tqdm's interface, for `index_config`)."""
+
+  def __init__(self, *args):
+    del args
+
+  def update(self, n: int = 1) -> None:
+    del n
+
+  def close(self) -> None:
+    pass
 
 
 def _config(args):
