@@ -514,13 +514,9 @@ class LineIndex:
 # -- a whole config ----------------------------------------------------------------
 
 
-def index_config(cfg, progress_factory: Callable) -> list[str]:
-  """Writes the sidecar index of every parquet folder and JSONL file a config reads.
-
-  `progress_factory(total, unit, desc)` returns a progress bar (tqdm's interface:
-  `update(n)`, `close()`). Converted (ArrayRecord) datasets need none. Returns the
-  paths written.
-  """
+def index_targets(cfg) -> tuple[list[str], dict[str, list[int]]]:
+  """What `bagel-grain index` writes for a config: its parquet folders, and its JSONL files
+  with the `shuffle_seed`s they are shuffled with. Converted (ArrayRecord) datasets need none."""
   parquet_dirs, jsonl_seeds = {}, {}
   for group in cfg.groups:
     for d in group.datasets:
@@ -532,6 +528,17 @@ def index_config(cfg, progress_factory: Callable) -> list[str]:
           seeds.add(group.shuffle_seed)
       else:
         parquet_dirs[d.data_dir] = None
+  return list(parquet_dirs), {path: sorted(seeds) for path, seeds in jsonl_seeds.items()}
+
+
+def index_config(cfg, progress_factory: Callable) -> list[str]:
+  """Writes the sidecar index of every parquet folder and JSONL file a config reads, in
+  this process (`tooling/beam_index.py` writes the same files from a Beam pipeline).
+
+  `progress_factory(total, unit, desc)` returns a progress bar (tqdm's interface:
+  `update(n)`, `close()`). Returns the paths written.
+  """
+  parquet_dirs, jsonl_seeds = index_targets(cfg)
   written = []
   for data_dir in parquet_dirs:
     bar = progress_factory(len(fs.list_file_infos(data_dir, ".parquet")), "file",
@@ -543,7 +550,7 @@ def index_config(cfg, progress_factory: Callable) -> list[str]:
   for path, seeds in jsonl_seeds.items():
     bar = progress_factory(fs.file_info(path).size, "B", f"lines of {path}")
     try:
-      written.extend(write_jsonl_index(path, sorted(seeds), bar.update))
+      written.extend(write_jsonl_index(path, seeds, bar.update))
     finally:
       bar.close()
   return written

@@ -161,8 +161,16 @@ def _index(args) -> int:
   from bagel_grain.sources.sidecar import index_config
 
   start = time.perf_counter()
-  written = index_config(load_config(args.config), lambda total, unit, desc: tqdm(
-      total=total, unit=unit, unit_scale=unit == "B", desc=desc, file=sys.stderr))
+  cfg = load_config(args.config)
+  if args.runner:
+    from bagel_grain.tooling import beam_runner
+    beam_runner.beam()
+    from bagel_grain.tooling import beam_index
+    written = beam_index.run_index(cfg, args.runner, args.beam_args,
+                                   split_bytes=args.split_bytes)
+  else:
+    written = index_config(cfg, lambda total, unit, desc: tqdm(
+        total=total, unit=unit, unit_scale=unit == "B", desc=desc, file=sys.stderr))
   for path in written:
     print(f"wrote {path}")
   print(f"indexed in {time.perf_counter() - start:.1f} s")
@@ -170,12 +178,23 @@ def _index(args) -> int:
 
 
 def _convert(args) -> int:
-  from bagel_grain.tooling.convert import convert_config_file  # pylint: disable=import-outside-toplevel
-  done = convert_config_file(args.config, args.out, records_per_shard=args.records_per_shard,
-                             overwrite=args.overwrite, num_threads=args.threads)
+  # pylint: disable=import-outside-toplevel
+  start = time.perf_counter()
+  if args.runner:
+    from bagel_grain.tooling import beam_runner
+    beam_runner.beam()
+    from bagel_grain.tooling import beam_convert
+    done = beam_convert.run_convert(args.config, args.out, args.runner, args.beam_args,
+                                    records_per_shard=args.records_per_shard,
+                                    overwrite=args.overwrite, num_threads=args.threads)
+  else:
+    from bagel_grain.tooling.convert import convert_config_file
+    done = convert_config_file(args.config, args.out, records_per_shard=args.records_per_shard,
+                               overwrite=args.overwrite, num_threads=args.threads)
   for d in done.datasets:
     print(f"{d.group}/{d.name}: {d.num_records} records in {len(d.files)} ArrayRecord files")
   print(f"wrote {done.dataset_info}\nuse it with: --config {done.config}")
+  print(f"converted in {time.perf_counter() - start:.1f} s")
   return 0
 
 
@@ -299,6 +318,10 @@ def build_parser() -> argparse.ArgumentParser:
   p = command("index", _index, "write the sidecar index of a config's data, once per corpus: "
               "builds then read no footer and scan no JSONL file")
   p.add_argument("config", help="the config whose parquet folders and JSONL files to index")
+  _add_runner_options(p)
+  p.add_argument("--split-bytes", type=_at_least(1), default=64 << 20,
+                 help="with --runner: bytes of a JSONL file per work item (a huge file is "
+                 "scanned by many workers, split at line boundaries)")
 
   p = command("convert", _convert, "convert a config's parquet/JSONL data to ArrayRecord")
   p.add_argument("--config", required=True, help="the config whose data to convert")
@@ -307,8 +330,16 @@ def build_parser() -> argparse.ArgumentParser:
   p.add_argument("--records-per-shard", type=_at_least(1), default=4096,
                  help="records per ArrayRecord file")
   p.add_argument("--overwrite", action="store_true", help="replace existing output files")
-  p.add_argument("--threads", type=_at_least(1), default=16, help="reader threads")
+  p.add_argument("--threads", type=_at_least(1), default=16,
+                 help="reader threads (per worker with --runner)")
+  _add_runner_options(p)
   return parser
+
+
+def _add_runner_options(p: argparse.ArgumentParser) -> None:
+  from bagel_grain.tooling.beam_runner import RUNNER_HELP  # pylint: disable=import-outside-toplevel
+  p.add_argument("--runner", default=None, help=RUNNER_HELP)
+  p.set_defaults(beam_args=[])
 
 
 def _one_line(error: BaseException) -> str:
@@ -319,7 +350,12 @@ def _one_line(error: BaseException) -> str:
 
 
 def main(argv=None) -> int:
-  args = build_parser().parse_args(argv)
+  parser = build_parser()
+  args, extra = parser.parse_known_args(argv)
+  if extra and not getattr(args, "runner", None):
+    parser.error(f"unrecognized arguments: {' '.join(extra)}"
+                 + (" (Beam's options need --runner)" if hasattr(args, "runner") else ""))
+  args.beam_args = extra
   try:
     return args.run(args)
   except KeyboardInterrupt:

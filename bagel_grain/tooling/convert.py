@@ -235,7 +235,7 @@ def write_dataset_info(cfg: PipelineConfig, out_dir: str,
   return Conversion(info_path, None, tuple(converted))
 
 
-def _output_dir(out_dir: str | os.PathLike) -> str:
+def output_dir(out_dir: str | os.PathLike) -> str:
   out_dir = os.fspath(out_dir)
   if fs.is_uri(out_dir):
     return out_dir.rstrip("/")
@@ -256,7 +256,7 @@ def convert_config(cfg: PipelineConfig, out_dir: str | os.PathLike, *,
   written locally, then uploaded). `bagel-grain convert --runner` writes the same files
   from a Beam pipeline (`tooling/beam_convert.py`).
   """
-  out_dir = _output_dir(out_dir)
+  out_dir = output_dir(out_dir)
   tasks = plan_config(cfg, out_dir, records_per_shard=records_per_shard, overwrite=overwrite)
   with concurrent.futures.ThreadPoolExecutor(num_threads) as pool:
     for gi, g in enumerate(cfg.groups):
