@@ -30,7 +30,7 @@ import numpy as np
 from PIL import Image
 
 from bagel_grain import fs
-from bagel_grain.drops import Dropped
+from bagel_grain.errors import BagelGrainError
 from bagel_grain.packing.drop_policy import DropPolicy
 from bagel_grain.packing.layout import Geometry
 from bagel_grain.packing.prepare import PrepareSample, PreparedSample
@@ -110,6 +110,19 @@ class Distribution:
     return {"lower": [_bin_edges(k)[0] for k in ks], "upper": [_bin_edges(k)[1] for k in ks],
             "counts": [self.bins.get(k, 0) for k in ks]}
 
+  def state(self) -> dict[str, Any]:
+    """Plain JSON (what a pipeline hands back), read by `from_state`."""
+    return {"count": self.count, "total": self.total, "low": self.low if self.count else None,
+            "high": self.high, "bins": {str(k): n for k, n in self.bins.items()},
+            "values": self.values}
+
+  @classmethod
+  def from_state(cls, state: dict[str, Any]) -> Distribution:
+    return cls(state["count"], state["total"],
+               math.inf if state["low"] is None else state["low"], state["high"],
+               collections.Counter({int(k): n for k, n in state["bins"].items()}),
+               state["values"])
+
   def report(self) -> dict[str, Any]:
     if not self.count:
       return {"count": 0}
@@ -146,6 +159,19 @@ class Audit:
       for kind, dist in theirs.items():
         mine[kind].merge(dist)
     return self
+
+  def state(self) -> dict[str, Any]:
+    return {"records": self.records, "packable": self.packable, "drops": dict(self.drops),
+            "examples": self.examples,
+            "tokens": {k: d.state() for k, d in self.tokens.items()},
+            "images": {k: d.state() for k, d in self.images.items()}}
+
+  @classmethod
+  def from_state(cls, state: dict[str, Any]) -> Audit:
+    return cls(state["records"], state["packable"], collections.Counter(state["drops"]),
+               state["examples"],
+               {k: Distribution.from_state(d) for k, d in state["tokens"].items()},
+               {k: Distribution.from_state(d) for k, d in state["images"].items()})
 
   def report(self) -> dict[str, Any]:
     return {"records": self.records, "packable": self.packable,
@@ -375,7 +401,11 @@ def summary(report: dict[str, Any]) -> str:
 
 def plot(report: dict[str, Any], path: str) -> None:
   """A PNG: per group, histograms of text / ViT / VAE tokens per sample and of image sides."""
-  import matplotlib  # pylint: disable=import-outside-toplevel
+  try:
+    import matplotlib  # pylint: disable=import-outside-toplevel
+  except ImportError:
+    raise BagelGrainError("the audit's PNG needs matplotlib: run `bagel-grain audit` from the "
+                          "Beam venv (.venv-beam, bagel_grain[beam])") from None
   matplotlib.use("Agg")
   from matplotlib import pyplot as plt  # pylint: disable=import-outside-toplevel
   names = list(report["groups"])
@@ -393,7 +423,7 @@ def plot(report: dict[str, Any], path: str) -> None:
     ax = row[3]
     for kind, colour in (("width_before", "tab:gray"), ("width_after", "tab:blue")):
       _bars(ax, g["image_sizes"][kind], kind.replace("_", " "), colour)
-    ax.set_title(f"{name}: image width before / after resize")
+    ax.set_title(f"{name}: image width, resized or not")
     ax.set_xlabel("width (pixels, log scale)")
     ax.set_ylabel("images")
     ax.legend(fontsize=8)
@@ -407,14 +437,17 @@ def plot(report: dict[str, Any], path: str) -> None:
 
 
 def _bars(ax, dist: dict, label: str, colour: str = "tab:blue") -> None:
-  if not dist.get("count"):
-    ax.text(0.5, 0.5, "none", ha="center", va="center", transform=ax.transAxes)
+  if not dist.get("count") or dist["max"] == 0:
+    ax.text(0.5, 0.5, "none" if not dist.get("count") else f"all {dist['count']} are 0",
+            ha="center", va="center", transform=ax.transAxes)
     return
+  from matplotlib import ticker  # pylint: disable=import-outside-toplevel
   h = dist["histogram"]
   lower, upper = np.maximum(h["lower"], 0.5), np.asarray(h["upper"])
   ax.bar(lower, h["counts"], width=upper - lower, align="edge", color=colour, alpha=0.7,
          label=label)
   ax.set_xscale("log")
+  ax.xaxis.set_minor_formatter(ticker.NullFormatter())
 
 
 def write_report(report: dict[str, Any], out: str) -> tuple[str, str]:

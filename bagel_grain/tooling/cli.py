@@ -1,4 +1,4 @@
-"""The `bagel-grain` command: make-sample-data, demo, inspect, make-bench-data, bench, index, convert.
+"""The `bagel-grain` command: make-sample-data, demo, inspect, make-bench-data, bench, index, convert, audit.
 
 Results go to stdout, progress and errors to stderr. An error is one line naming
 what failed (`--debug` shows the traceback instead).
@@ -198,6 +198,35 @@ def _convert(args) -> int:
   return 0
 
 
+def _audit(args) -> int:
+  # pylint: disable=import-outside-toplevel
+  from bagel_grain.tooling import audit
+
+  start = time.perf_counter()
+  out = args.out if "://" in args.out else os.path.abspath(args.out)
+  if "://" not in out:
+    os.makedirs(os.path.dirname(out), exist_ok=True)
+  if args.runner:
+    from bagel_grain.tooling import beam_runner
+    beam_runner.beam()
+    from bagel_grain.tooling import beam_audit
+    where = (os.path.abspath(args.config) if args.config and "://" not in args.config
+             else args.config, args.shipped, os.path.abspath(args.data))
+    report = beam_audit.run_audit(where, out, args.runner, args.beam_args, sample=args.sample,
+                                  seed=args.seed, task_elements=args.task_elements)
+  else:
+    from bagel_grain.tokenizer import load_tokenizer
+    cfg = _config(args)
+    merged = audit.audit_in_process(cfg, load_tokenizer(cfg.tokenizer_path), sample=args.sample,
+                                    seed=args.seed)
+    report = audit.build_report(cfg, merged, sample=args.sample,
+                                epoch_sizes=audit.epoch_sizes(cfg, args.seed))
+  paths = audit.write_report(report, out)
+  print(audit.summary(report))
+  print(f"wrote {paths[0]} and {paths[1]} in {time.perf_counter() - start:.1f} s")
+  return 0
+
+
 # -- the parser ----------------------------------------------------------------
 
 
@@ -332,6 +361,22 @@ def build_parser() -> argparse.ArgumentParser:
   p.add_argument("--overwrite", action="store_true", help="replace existing output files")
   p.add_argument("--threads", type=_at_least(1), default=16,
                  help="reader threads (per worker with --runner)")
+  _add_runner_options(p)
+
+  p = command("audit", _audit, "run every record of a config through the family transforms "
+              "and the layout (no packing): drops by reason, tokens per sample, image sizes, "
+              "and what a run at the configured weights will look like")
+  _add_config_options(p, "demo")
+  p.add_argument("--out", default="out/audit",
+                 help="writes OUT.json (the report) and OUT.png (its histograms); may be a "
+                 "gs:// or s3:// URI")
+  p.add_argument("--sample", type=_at_least(1), default=None,
+                 help="audit only the first N records of each group's shuffled epoch: a quick "
+                 "estimate on one machine (default: every record)")
+  p.add_argument("--seed", type=int, default=None,
+                 help="the stream's seed (default: the config's data_seed and seed)")
+  p.add_argument("--task-elements", type=_at_least(1), default=256,
+                 help="with --runner: records of one group per work item")
   _add_runner_options(p)
   return parser
 
