@@ -1,7 +1,7 @@
 """`bagel-grain index --runner R`: the sidecar index written by a Beam pipeline.
 
-The work is split finer than a file: every parquet footer is read on its own, and
-every JSONL file is scanned in byte ranges of `split_bytes` (each range counts the
+The work is split finer than a folder or a file: parquet footers are read in runs
+of `FILES_PER_TASK` files, and every JSONL file is scanned in byte ranges of `split_bytes` (each range counts the
 newlines inside it, so the ranges split the file at line boundaries whatever their
 cut), so one huge JSONL file is indexed by many workers. Per folder / file, one
 step then assembles the pieces in order and writes the same files, byte for byte,
@@ -16,6 +16,7 @@ written only by the last step, whole, so a retry writes the same bytes again.
 
 from __future__ import annotations
 
+import concurrent.futures
 from typing import Sequence
 
 import apache_beam as beam
@@ -25,18 +26,25 @@ from bagel_grain.sources import sidecar
 from bagel_grain.tooling import beam_runner
 
 DEFAULT_SPLIT_BYTES = 64 << 20  # a JSONL byte range per work item
+FILES_PER_TASK = 64  # parquet footers per work item
 
 
-def folder_files(folder: str) -> list[tuple[str, tuple[str, int, int]]]:
-  """folder -> (folder, (name, size, mtime)) of each parquet file: the stamps its index keeps."""
-  return [(folder, f) for f in sidecar.list_parquet_files(folder)]
+def folder_files(folder: str, files_per_task: int):
+  """folder -> (folder, [(name, size, mtime)]) per run of its parquet files: the stamps
+  its index keeps, taken by one listing."""
+  files = sidecar.list_parquet_files(folder)
+  for start in range(0, len(files), files_per_task):
+    yield folder, files[start:start + files_per_task]
 
 
-def footer_facts(item: tuple[str, tuple[str, int, int]]):
-  """(folder, (name, size, mtime)) -> (folder, (name, size, mtime, facts))."""
-  folder, (name, size, mtime) = item
-  meta = sidecar.read_footer(fs.join(folder, name))
-  return folder, (name, size, mtime, sidecar.ParquetFileFacts.of_footer(meta))
+def footer_facts(item: tuple[str, list[tuple[str, int, int]]]):
+  """(folder, files) -> (folder, (name, size, mtime, facts)) per file; the footers of a
+  run are read on `sidecar.FOOTER_THREADS` threads (an object store's latency overlaps)."""
+  folder, files = item
+  with concurrent.futures.ThreadPoolExecutor(sidecar.FOOTER_THREADS) as pool:
+    metas = pool.map(sidecar.read_footer, [fs.join(folder, f[0]) for f in files])
+    for (name, size, mtime), meta in zip(files, metas):
+      yield folder, (name, size, mtime, sidecar.ParquetFileFacts.of_footer(meta))
 
 
 def write_folder_index(item) -> str:
@@ -81,9 +89,9 @@ def build(pipeline, cfg, *, split_bytes: int = DEFAULT_SPLIT_BYTES):
     written.append(
         pipeline
         | "parquet folders" >> beam.Create(parquet_dirs)
-        | "list" >> beam.FlatMap(folder_files)
+        | "list" >> beam.FlatMap(folder_files, FILES_PER_TASK)
         | "spread files" >> beam.Reshuffle()
-        | "read footers" >> beam.Map(footer_facts)
+        | "read footers" >> beam.FlatMap(footer_facts)
         | "by folder" >> beam.GroupByKey()
         | "write parquet index" >> beam.Map(write_folder_index))
   if jsonl_seeds:

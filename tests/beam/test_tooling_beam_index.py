@@ -2,6 +2,7 @@
 
 import numpy as np
 
+from bagel_grain import fs
 from bagel_grain.config import load_config
 from bagel_grain.sources import sidecar
 from bagel_grain.tooling import beam_index
@@ -57,13 +58,27 @@ def test_remote_data_is_indexed_in_its_bucket(demo_dir, tmp_path, monkeypatch):
     remote = tmp_path / "remote.yaml"
     remote.write_text(text)
     cfg = load_config(remote)
+    monkeypatch.setattr(beam_index, "FILES_PER_TASK", 1)  # a footer per work item
     written = beam_index.run_index(cfg, "DirectRunner", split_bytes=999)
     assert all(p.startswith(root) for p in written)
+    for folder in ("t2i", "edit"):  # the same index as the local copy's, files in name order
+      local = tmp_path / "data" / folder
+      assert fs.read_bytes(f"{root}/{folder}/{sidecar.PARQUET_INDEX}") == _with_stamps_of(
+          local, f"{root}/{folder}")
     # Fresh for the bucket's objects: the loader builds from it without a scan.
     from bagel_grain.sources.jsonl import JsonlLineSource
     monkeypatch.setattr(sidecar, "scan_line_starts", _no_scan)
     source = JsonlLineSource(f"{root}/vlm/sft.jsonl", shuffle_lines=True, shuffle_seed=0)
     assert len(source) == len((tmp_path / "data/vlm/sft.jsonl").read_bytes().splitlines())
+
+
+def _with_stamps_of(local, remote) -> bytes:
+  """The local folder's index, with the bucket's sizes and times (the objects' own)."""
+  files = [(i.base_name, int(i.size), int(i.mtime_ns or 0))
+           for i in fs.list_file_infos(remote, ".parquet")]
+  facts = [sidecar.ParquetFileFacts.of_footer(sidecar.read_footer(str(local / f[0])))
+           for f in files]
+  return sidecar.parquet_index_bytes(files, facts)
 
 
 def _no_scan(path, progress=None):
