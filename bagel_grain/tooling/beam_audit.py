@@ -31,15 +31,15 @@ class RunTasks(beam.DoFn):
   def __init__(self, where: tuple[str | None, str, str], seed: int | None):
     super().__init__()
     self._where, self._seed = where, seed
-    self._cfg = self._tokenizer = None
+    self._epochs = None
 
   def setup(self) -> None:
     from bagel_grain.tokenizer import load_tokenizer  # pylint: disable=import-outside-toplevel
-    self._cfg = load(*self._where)
-    self._tokenizer = load_tokenizer(self._cfg.tokenizer_path)
+    cfg = load(*self._where)
+    self._epochs = audit.GroupEpochs(cfg, load_tokenizer(cfg.tokenizer_path), self._seed)
 
   def process(self, task: audit.AuditTask):
-    for key, found in audit.run_task(self._cfg, self._tokenizer, task, seed=self._seed):
+    for key, found in audit.run_task(self._epochs, task):
       yield "/".join(key), found
 
 
