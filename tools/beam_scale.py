@@ -5,7 +5,8 @@ and one text-only VLM JSONL file of M lines, then times each command as a user
 runs it (a fresh `bagel-grain` process each): in process, and with the
 DirectRunner in multi-processing mode at 1 and 2 workers. A sampler follows the
 process tree and reports the peak RSS of the launching process and of each Beam
-worker. Run it from the Beam venv, on a quiet machine (it prints `uptime` before
+worker, and the CPU seconds of all of them (on a busy machine the CPU seconds per
+record are the figure that carries over, not the wall time). Run it from the Beam venv, on a quiet machine (it prints `uptime` before
 and after each case, since other jobs on the machine skew every figure):
 
     .venv-beam/bin/python tools/beam_scale.py --shards 2000 --lines 2000000 --out out/beam_scale.json
@@ -75,11 +76,13 @@ def make_corpus(root: Path, shards: int, lines: int) -> Path:
 
 
 class PeakRss:
-  """Peak RSS of a process and of each of its descendants, sampled every 0.1 s."""
+  """Peak RSS of a process and of each of its descendants, sampled every 0.1 s, and their
+  CPU seconds (last sample: a process's final 0.1 s may be missed)."""
 
   def __init__(self, pid: int):
     self._root = psutil.Process(pid)
     self.peaks: dict[int, tuple[str, int]] = {}
+    self.cpu: dict[int, float] = {}  # CPU seconds (user + system) of each process, last seen
     self._stop = threading.Event()
     self._thread = threading.Thread(target=self._run, daemon=True)
     self._thread.start()
@@ -93,6 +96,8 @@ class PeakRss:
       for p in procs:
         try:
           rss, cmd = p.memory_info().rss, " ".join(p.cmdline()[:3])
+          times = p.cpu_times()
+          self.cpu[p.pid] = times.user + times.system
         except psutil.Error:
           continue
         self.peaks[p.pid] = (cmd, max(rss, self.peaks.get(p.pid, ("", 0))[1]))
@@ -103,7 +108,7 @@ class PeakRss:
     self._thread.join()
     main = self.peaks.pop(self._root.pid, ("", 0))[1]
     workers = [rss for cmd, rss in self.peaks.values() if "sdk_worker" in cmd or "beam" in cmd]
-    return {"main_peak_mib": main / 2**20,
+    return {"cpu_s": sum(self.cpu.values()), "main_peak_mib": main / 2**20,
             "worker_peak_mib": max(workers, default=0) / 2**20, "workers_seen": len(workers)}
 
 
