@@ -5,7 +5,7 @@ import pytest
 
 from bagel_grain import fs
 from bagel_grain.tooling import beam_convert
-from conftest import MULTI, beam_cli, demo_copy, tree_bytes
+from beam_helpers import MULTI, beam_cli, demo_copy, tree_bytes
 
 
 @pytest.fixture(scope="module")

@@ -6,7 +6,7 @@ from bagel_grain import fs
 from bagel_grain.config import load_config
 from bagel_grain.sources import sidecar
 from bagel_grain.tooling import beam_index
-from conftest import MULTI, beam_cli, demo_copy
+from beam_helpers import MULTI, beam_cli, demo_copy
 
 SIDECARS = ("t2i/.bagel_index.arrow", "edit/.bagel_index.arrow",
             "vlm/sft.jsonl.bagel_index.json", "vlm/sft.jsonl.bagel_lines.npy",

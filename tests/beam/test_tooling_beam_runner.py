@@ -3,6 +3,8 @@
 import subprocess
 import sys
 
+from beam_helpers import demo_copy
+
 LOADER = """
 import sys
 from bagel_grain.configs import load_shipped
@@ -19,7 +21,6 @@ print(sorted(m for m in sys.modules if m.startswith("apache_beam")))
 
 
 def test_the_loader_and_the_in_process_commands_import_no_beam(demo_dir, tmp_path):
-  from conftest import demo_copy  # pylint: disable=import-outside-toplevel
   demo_copy(demo_dir, tmp_path)
   done = subprocess.run([sys.executable, "-c", LOADER, str(tmp_path / "data")],
                         capture_output=True, text=True, timeout=300, check=True)
