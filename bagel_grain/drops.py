@@ -59,6 +59,13 @@ class DropReason(enum.StrEnum):
     return cls(f"over_row_capacity_{capacity}")
 
 
+class Note(enum.StrEnum):
+  """Events of a kept sample worth counting (the sample is packed as upstream packs it)."""
+
+  EMPTY_CAPTION = "empty_caption"  # a T2I row without caption: an unconditional sample
+  UNUSED_IMAGES = "unused_images"  # a VLM line listing more images than it places
+
+
 RECORD_REASONS = frozenset({DropReason.UNREADABLE_FILE, DropReason.CORRUPT_RECORD})
 IMAGE_REASONS = frozenset({DropReason.BAD_IMAGE, DropReason.TOO_MANY_PIXELS,
                            DropReason.TRUNCATED_IMAGE})

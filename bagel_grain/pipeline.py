@@ -12,13 +12,13 @@ import dataclasses
 import functools
 import hashlib
 import json
-from typing import Any
+from typing import Any, Mapping, Sequence
 
 import grain
 import numpy as np
 
 from bagel_grain import fs, images
-from bagel_grain.config import STREAM_NEUTRAL_FIELDS, PipelineConfig
+from bagel_grain.config import STREAM_NEUTRAL_FIELDS, GroupConfig, PipelineConfig
 from bagel_grain.errors import ConfigError, DatasetError
 from bagel_grain.families.base import FamilyTransform
 from bagel_grain.packing.batch import BatchDataset, BatchIterator
@@ -29,8 +29,10 @@ from bagel_grain.packing.mix import MixDataset, MixSpec, read_ahead
 from bagel_grain.packing.pack import PackDataset, PackSpec
 from bagel_grain.packing.prepare import PrepareSample
 from bagel_grain.packing.row import Capacities, default_capacities
-from bagel_grain.packing.shards import ShardInterleaveDataset, ShardMix
+from bagel_grain.packing.shards import ShardInterleaveDataset
+from bagel_grain.packing.state import StreamIdentity
 from bagel_grain.sources import readahead
+from bagel_grain.sources.manifest import Manifest, dataset_manifest
 from bagel_grain.sources.records import ConcatSource, ShuffledRecords
 
 
@@ -181,20 +183,66 @@ def capacities(cfg: PipelineConfig) -> Capacities:
   return dataclasses.replace(caps, **overrides)
 
 
-def fingerprint(cfg: PipelineConfig, tokenizer, *, seed: int,
-                shard_count: int) -> dict[str, Any]:
+def fingerprint(cfg: PipelineConfig, tokenizer, *, seed: int, shard_count: int,
+                manifests: Mapping[str, Mapping[str, Manifest]] | None = None) -> dict[str, Any]:
   """What shapes the stream, field by field; a restore under a different one is refused,
   naming each field that changed. Fields that never change a row
-  (`config.STREAM_NEUTRAL_FIELDS`) are left out; each group is one short hash.
+  (`config.STREAM_NEUTRAL_FIELDS`) are left out. A group is its weight, whether it is
+  mandatory, its datasets' names and counts, and one short hash of the rest; where
+  the data lives is not in it (the same data in a bucket is the same stream), what
+  it holds is: `data`, each dataset's manifest summary.
 
   The process index and count are not in it: with `logical_shards` set, a state
   restores under any process count (docs/elastic.md).
   """
-  shaping = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)
-             if f.name not in STREAM_NEUTRAL_FIELDS and f.name != "groups"}
+  groups = {g.name: _group_fingerprint(g) for g in cfg.groups}
+  data = {group: {name: m.summary() for name, m in datasets.items()}
+          for group, datasets in (manifests or {}).items()}
+  return {"config": {**_shaping(cfg), "groups": groups}, "tokenizer": tokenizer.fingerprint(),
+          "seed": int(seed), "logical_shards": int(shard_count), "data": data}
+
+
+def _shaping(cfg: PipelineConfig) -> dict[str, Any]:
+  return {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)
+          if f.name not in STREAM_NEUTRAL_FIELDS and f.name != "groups"}
+
+
+def _group_fingerprint(group: GroupConfig) -> dict[str, Any]:
+  rest = {k: v for k, v in dataclasses.asdict(group).items()
+          if k not in ("name", "weight", "is_mandatory", "datasets")}
+  return {"weight": group.weight, "is_mandatory": group.is_mandatory,
+          "datasets": [[d.name, d.num_used_data,
+                        "array_record" if d.array_record_path else
+                        "jsonl" if d.jsonl_path else "parquet"] for d in group.datasets],
+          "options": _short_hash(rest)}
+
+
+def legacy_fingerprint(cfg: PipelineConfig, tokenizer, *, seed: int,
+                       shard_count: int) -> dict[str, Any]:
+  """The fingerprint state versions 1 and 2 wrote: each group one hash of its config (paths
+  included), no data."""
   groups = {g.name: _short_hash(dataclasses.asdict(g)) for g in cfg.groups}
-  return {"config": {**shaping, "groups": groups}, "tokenizer": tokenizer.fingerprint(),
+  return {"config": {**_shaping(cfg), "groups": groups}, "tokenizer": tokenizer.fingerprint(),
           "seed": int(seed), "logical_shards": int(shard_count)}
+
+
+def _config_defaults() -> dict[str, Any]:
+  """Each shaping config field's default, as a fingerprint key: what a state saved before
+  the field existed stands for."""
+  return {f"config.{f.name}": f.default for f in dataclasses.fields(PipelineConfig)
+          if f.default is not dataclasses.MISSING}
+
+
+def stream_identity(cfg: PipelineConfig, tokenizer, *, seed: int, shard_count: int,
+                    sources: Sequence[ConcatSource]) -> StreamIdentity:
+  """What a saved state must match (see `StreamIdentity`), with each dataset's manifest."""
+  manifests = {g.name: {d.name: dataset_manifest(d, part)
+                        for d, part in zip(g.datasets, source.sources)}
+               for g, source in zip(cfg.groups, sources)}
+  return StreamIdentity(
+      fingerprint(cfg, tokenizer, seed=seed, shard_count=shard_count, manifests=manifests),
+      legacy=legacy_fingerprint(cfg, tokenizer, seed=seed, shard_count=shard_count),
+      defaults=_config_defaults(), manifests=manifests)
 
 
 def _short_hash(value: Any) -> str:
@@ -228,6 +276,9 @@ def build_pipeline(cfg: PipelineConfig, tokenizer, *, seed: int | None = None,
   drops = DropPolicy(max_num_tokens_per_sample=cfg.max_num_tokens_per_sample, capacities=caps,
                      max_consecutive_drops=cfg.max_consecutive_drops,
                      bad_record_window=cfg.bad_record_window, max_bad_ratio=cfg.max_bad_ratio)
+  pack = PackSpec(mandatory=mandatory, expected_num_tokens=cfg.expected_num_tokens,
+                  max_num_tokens=cfg.max_num_tokens, prefer_buffer_before=cfg.prefer_buffer_before,
+                  max_buffer_size=cfg.max_buffer_size, capacities=caps)
   shards, described = {}, []
   for s in served:
     records = [group_records(cfg, g, seed=order_seed, shard=s, shard_count=count,
@@ -235,25 +286,22 @@ def build_pipeline(cfg: PipelineConfig, tokenizer, *, seed: int | None = None,
     described += [(s, r) for r in records]  # in the fetcher's order of the groups
     groups = [prepared_samples(cfg, g, tokenizer, records[g], seed=seed, shard=s,
                                readers=len(served)) for g in range(len(cfg.groups))]
-    shards[s] = ShardMix(groups, MixSpec(
+    mixed = MixDataset(groups, MixSpec(
         group_names=tuple(g.name for g in cfg.groups), weights=weights,
         records_per_epoch=tuple(r.records_per_epoch for r in records), seed=seed,
         process_index=s, drops=drops))  # the weighted draws are keyed by the shard
+    shards[s] = PackDataset(mixed, pack)
   # One fetcher (one pool of workers) for all served shards; their read-ahead shares it.
   depths = read_ahead(weights, mandatory, workers / len(served))
   rows = ShardInterleaveDataset(
-      shards, PackSpec(mandatory=mandatory, expected_num_tokens=cfg.expected_num_tokens,
-                       max_num_tokens=cfg.max_num_tokens,
-                       prefer_buffer_before=cfg.prefer_buffer_before,
-                       max_buffer_size=cfg.max_buffer_size, capacities=caps),
-      shard_count=count,
+      shards, shard_count=count,
       fetcher=functools.partial(Fetcher, workers=workers, depths=depths * len(served),
                                 timeout_s=cfg.element_timeout_s,
                                 describe=functools.partial(_describe, cfg, described,
                                                            len(served) > 1)))
   return BatchDataset(rows, batch_size=cfg.batch_size if batch_size is None else batch_size,
-                      capacities=caps, fingerprint=fingerprint(cfg, tokenizer, seed=seed,
-                                                               shard_count=count))
+                      capacities=caps, identity=stream_identity(
+                          cfg, tokenizer, seed=seed, shard_count=count, sources=sources))
 
 
 def _describe(cfg: PipelineConfig, described: list[tuple[int, ShuffledRecords]],

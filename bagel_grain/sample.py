@@ -59,7 +59,7 @@ class Sample:
   images: tuple[np.ndarray, ...]
   num_tokens: int
   key: SampleKey
-  notes: tuple[str, ...] = ()  # kept-but-notable events for stats (e.g. "empty_caption")
+  notes: tuple[str, ...] = ()  # `drops.Note` members: kept-but-notable events for stats
 
   @property
   def packed_size(self) -> int:

@@ -12,6 +12,7 @@ from bagel_grain.packing.mix import MixDataset, MixSpec
 from bagel_grain.packing.pack import PackDataset, PackSpec
 from bagel_grain.packing.prepare import PreparedSample
 from bagel_grain.packing.row import Capacities
+from bagel_grain.packing.state import StreamIdentity
 from bagel_grain.sample import PlanItem, SampleKey
 
 GEOMETRY = Geometry(vit_patch_size=14, vae_downsample=16, max_num_patch_per_side=70,
@@ -65,7 +66,7 @@ def packed(groups, *, mandatory=None, expected=900, max_tokens=1024, prefer=400,
 def batched(groups, batch_size, **pack_args):
   """A BatchDataset of `batch_size` rows over `groups`; `pack_args` go to `packed`."""
   return BatchDataset(packed(groups, **pack_args), batch_size=batch_size, capacities=CAPS,
-                      fingerprint={"test": 1})
+                      identity=StreamIdentity({"test": 1}))
 
 
 def groups_of(sizes):

@@ -15,7 +15,7 @@ import pytest
 from bagel_grain import build_pipeline, pipeline_stats
 from bagel_grain.errors import ConfigError, StateMismatchError
 from bagel_grain.packing.shards import merge_states
-from bagel_grain.pipeline import group_dataset
+from bagel_grain.pipeline import group_dataset, legacy_fingerprint
 
 SHARDS = 4
 RECORDS = {"t2i_pretrain": 76, "unified_edit": 30, "vlm_sft": 60}  # the demo data's epoch
@@ -214,7 +214,9 @@ def test_a_state_from_before_logical_shards_restores_only_on_its_process(demo_co
   finally:
     it.close()
   # Version 1 (release 0.1.0): one process's packing state, the process in the fingerprint.
-  fingerprint = {k: v for k, v in state["fingerprint"].items() if k != "logical_shards"}
+  fingerprint = {k: v for k, v in legacy_fingerprint(
+      demo_config, demo_tokenizer, seed=demo_config.data_seed, shard_count=2).items()
+                 if k != "logical_shards"}
   old = {"version": 1, "fingerprint": {**fingerprint, "process_index": 1, "process_count": 2},
          **state["shards"]["1"]["packer"]}
   same = iter(build_pipeline(demo_config, demo_tokenizer, process_index=1, process_count=2,

@@ -15,7 +15,7 @@ def test_a_damaged_data_state_names_the_checkpoint_file(demo_config, demo_tokeni
   with iter(build_pipeline(demo_config, demo_tokenizer, batch_size=1, workers=0)) as it:
     next(it)
     save(manager, 1, {"w": jnp.zeros(3)}, it)
-  [data] = (tmp_path / "checkpoints" / "1" / "data").glob("*.json")  # the one shard's file
+  [data] = (tmp_path / "checkpoints" / "1" / "data").glob("shard_state_*.json")  # the one shard
   data.write_text(damage)
   with iter(build_pipeline(demo_config, demo_tokenizer, batch_size=1, workers=0)) as it:
     with pytest.raises(StateMismatchError, match=f"cannot restore the data iterator from {data}"):

@@ -6,6 +6,7 @@ import hypothesis
 import numpy as np
 from hypothesis import strategies as st
 
+from bagel_grain.packing.pack import EMPTY
 from bagel_grain.packing.row import Capacities
 from packer_samples import make_sample, packed
 from resume import assert_resumes_identically, take
@@ -149,6 +150,8 @@ def test_state_holds_the_buffered_and_carried_keys():
     next(it)
     state = it.get_state()
   # After row 1 (see the prefer_buffer_before test): sample 1 carried, nothing buffered.
-  assert state["carried"] == [[0, 1]] and state["buffer"] == []
+  # Fixed-length lists: 4 buffer slots; carried slots for as many as the rules allow.
+  assert state["carried"][0] == [0, 1] and all(k == EMPTY for k in state["carried"][1:])
+  assert state["buffer"] == [EMPTY] * 4
   assert state["next_index"] == [2] and state["stats"]["rows"] == 1
   assert collections.Counter(state["stats"]["counts"]["g0"]) == {"drawn": 2, "packed": 1}

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from bagel_grain import build_pipeline, pipeline_stats
+from bagel_grain.pipeline import legacy_fingerprint
 from bagel_grain.errors import GroupExhaustedError, StateMismatchError
 from bagel_grain.workers import Fetcher
 from resume import assert_resumes_identically, assert_same_elements, take
@@ -138,7 +139,8 @@ def test_state_saved_by_release_0_1_restores_to_the_same_batches(demo_config, de
     # The config hash covers the demo data's absolute paths, which differ per test run;
     # everything else that shapes the stream must match as saved (0.1.0 named the process,
     # 0 of 1, where logical shard 0 of 1 stands now).
-    ours = it.get_state()["fingerprint"]
+    ours = legacy_fingerprint(demo_config, demo_tokenizer, seed=demo_config.data_seed,
+                              shard_count=1)
     assert {k: v for k, v in state["fingerprint"].items() if k != "config"} == {
         "tokenizer": ours["tokenizer"], "seed": ours["seed"], "process_index": 0,
         "process_count": ours["logical_shards"]}
@@ -147,6 +149,27 @@ def test_state_saved_by_release_0_1_restores_to_the_same_batches(demo_config, de
         saved["next_batch_sha256"]
   finally:
     it.close()
+
+
+@pytest.mark.parametrize("case", [0, 1], ids=["one_shard", "logical_shards_4"])
+def test_state_saved_by_version_2_restores_to_the_same_batches(demo_config, demo_tokenizer,
+                                                                demo_dir, case):
+  # tests/data/demo_state_v2.json was written by commit 78e9849 (state version 2, before
+  # states had a fixed structure; see tests/data/README.md).
+  saved = json.loads((Path(__file__).parent / "data" / "demo_state_v2.json").read_text())[case]
+  state = saved["state"]
+  assert state["version"] == 2
+  cfg = dataclasses.replace(demo_config, logical_shards=saved["logical_shards"])
+  with iter(build_pipeline(cfg, demo_tokenizer, batch_size=saved["batch_size"],
+                           workers=0)) as it:
+    # Version 2 hashed each group whole, the demo data's absolute paths (which differ per
+    # test run) included: the rest must match as saved.
+    ours = legacy_fingerprint(cfg, demo_tokenizer, seed=cfg.data_seed,
+                              shard_count=saved["logical_shards"] or 1)
+    assert {**state["fingerprint"], "config": None} == {**ours, "config": None}
+    it.set_state({**state, "fingerprint": {**state["fingerprint"], "config": ours["config"]}})
+    assert [batch_sha256(next(it), demo_dir) for _ in saved["next_batch_sha256"]] == \
+        saved["next_batch_sha256"]
 
 
 def test_pipeline_stats_takes_the_pipelines_own_iterator(demo_config, demo_tokenizer):

@@ -6,7 +6,7 @@ import json
 
 import numpy as np
 
-from bagel_grain.drops import IMAGE_REASONS, RECORD_REASONS, Drop, DropReason, require
+from bagel_grain.drops import IMAGE_REASONS, RECORD_REASONS, Drop, DropReason, Note, require
 from bagel_grain.families.base import FamilyTransform, is_text
 from bagel_grain.families.family import Family
 from bagel_grain.images import ImageTransform
@@ -46,7 +46,7 @@ class T2ITransform(FamilyTransform):
     if captions:
       caption = captions[int(rng.integers(len(captions)))]
     else:
-      caption, notes = " ", ("empty_caption",)  # upstream: an unconditional sample
+      caption, notes = " ", (Note.EMPTY_CAPTION,)  # upstream: an unconditional sample
     self.check_text_length([caption])
     [pixels] = self.load(fields.get("image"), [(self.vae_transform, 1)])
     ids = self.encode(caption)

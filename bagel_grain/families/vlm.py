@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from bagel_grain.drops import FILE_REASONS, IMAGE_REASONS, RECORD_REASONS, Drop, DropReason
-from bagel_grain.drops import require
+from bagel_grain.drops import Note, require
 from bagel_grain.families import video
 from bagel_grain.families.base import FamilyTransform, is_text
 from bagel_grain.families.family import Family
@@ -139,7 +139,7 @@ class VLMTransform(FamilyTransform):
     require(any(item.loss for item in plan), DropReason.NO_LOSS_ITEM)
     self.check_text_length(texts)
     used = sum(item.type == "vit_image" for item in plan)
-    notes = ("unused_images",) if used < len(images) else ()
+    notes = (Note.UNUSED_IMAGES,) if used < len(images) else ()
     pixels = []
     target = [(self.vit_transform, len(images))]
     for image in images[:used]:

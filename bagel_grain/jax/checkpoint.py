@@ -9,6 +9,12 @@ shards it serves now, whichever process wrote them (docs/elastic.md). Works
 with the plain pipeline iterator and with `DevicePrefetchIterator`, whose state
 is the position after the last batch the trainer took; any other iterator is
 saved per process by Grain's own handler (`data/process_<i>-of-<n>.json`).
+
+Each shard file names the save it belongs to (`save`: the step and a run identity
+all processes share), so a step holding a file of another save is refused, as is
+one whose files do not make up exactly the shards of its count. Process 0 also
+writes `data/data_manifest.json`, the files each dataset held: a restore onto
+changed data names the files that changed.
 """
 
 from __future__ import annotations
@@ -17,15 +23,19 @@ import contextlib
 import dataclasses
 import json
 import re
+import secrets
 from typing import Any
 
 import grain
 import jax
+import numpy as np
 import orbax.checkpoint as ocp
+from jax.experimental import multihost_utils
 from etils import epath
 
 from bagel_grain.errors import StateMismatchError
-from bagel_grain.packing.shards import joined_states, split_state
+from bagel_grain.packing import shards
+from bagel_grain.sources.manifest import Manifest
 
 STATE, DATA = "state", "data"
 
@@ -47,26 +57,39 @@ def save(manager: ocp.CheckpointManager, step: int, state: Any,
   """
   saved = manager.save(step, args=ocp.args.Composite(**{
       STATE: ocp.args.StandardSave(state),
-      DATA: ShardStatesSave(iterator)}))
+      DATA: ShardStatesSave(iterator, save={"step": int(step), "run": run_identity()})}))
   if wait:
     manager.wait_until_finished()
   return saved
 
 
+_RUN: list[str] = []
+
+
+def run_identity() -> str:
+  """This run's identity, the same in every process (process 0's draw, shared once)."""
+  if not _RUN:
+    mine = int.from_bytes(secrets.token_bytes(4), "little")
+    shared = multihost_utils.broadcast_one_to_all(np.int32(mine & 0x7FFFFFFF))
+    _RUN.append(f"{int(shared):08x}")
+  return _RUN[0]
+
+
 def restore(manager: ocp.CheckpointManager, step: int | None, state_template: Any,
-            iterator: grain.DatasetIterator) -> Any:
+            iterator: grain.DatasetIterator, *, allow_changes: bool = False) -> Any:
   """Restores `iterator` in place (it continues after the saved position) and returns the state.
 
   `state_template` gives the structure, shapes, dtypes and shardings of the
   restored arrays (arrays or `jax.ShapeDtypeStruct`s). `step=None` takes the
-  latest step.
+  latest step. `allow_changes`: continue across the changes a new stage of training
+  makes (weights, groups added or removed at the end; docs/changes.md).
   """
   step = manager.latest_step() if step is None else step
   if step is None:
     raise FileNotFoundError(f"no checkpoint in {manager.directory}")
   restored = manager.restore(step, args=ocp.args.Composite(**{
       STATE: ocp.args.StandardRestore(state_template),
-      DATA: ShardStatesRestore(iterator)}))
+      DATA: ShardStatesRestore(iterator, allow_changes=allow_changes)}))
   return restored[STATE]
 
 
@@ -83,8 +106,7 @@ def _naming(paths):
                              f"{', '.join(map(str, paths))}: {e}") from e
 
 
-def _sharded(state: Any) -> bool:
-  return isinstance(state, dict) and "shards" in state and "logical_shards" in state
+_MANIFEST = "data_manifest.json"
 
 
 class ShardStatesHandler:
@@ -98,40 +120,54 @@ class ShardStatesHandler:
   def save(self, directory: epath.Path, item: Any = None, args: Any = None) -> None:
     item = item if item is not None else args.item
     state = item.get_state()
-    if not _sharded(state):
+    if not shards.is_sharded(state):
       grain.checkpoint.CheckpointHandler().save(directory,
                                                 args=grain.checkpoint.CheckpointSave(item))
       return
-    count = state["logical_shards"]
-    for shard, part in split_state(state).items():
-      (directory / f"shard_state_{shard}-of-{count}.json").write_text(json.dumps(part, indent=1))
+    count = shards.shard_count(state)
+    for shard, part in shards.split_state(state).items():
+      (directory / f"shard_state_{shard}-of-{count}.json").write_text(
+          json.dumps({**part, "save": args.save}, indent=1))
+    if jax.process_index() == 0:
+      manifests = {group: {name: m.to_json() for name, m in datasets.items()}
+                   for group, datasets in item.manifests().items()}
+      (directory / _MANIFEST).write_text(json.dumps(manifests))
 
   def restore(self, directory: epath.Path, item: Any = None, args: Any = None) -> Any:
     item = item if item is not None else args.item
     served = item.get_state()
-    saved_counts = {int(m.group(2)) for f in directory.iterdir()
-                    if (m := _SHARD_FILE.fullmatch(f.name))}
-    if not _sharded(served) or not saved_counts:  # Grain's per-process file (also from before
+    files = {f.name: m for f in directory.iterdir() if (m := _SHARD_FILE.fullmatch(f.name))}
+    if not shards.is_sharded(served) or not files:  # Grain's per-process file (also from before
       process_file = directory / f"process_{jax.process_index()}-of-{jax.process_count()}.json"
       with _naming([process_file]):  # logical shards)
         return grain.checkpoint.CheckpointHandler().restore(
             directory, args=grain.checkpoint.CheckpointRestore(item))
-    count = served["logical_shards"]
+    count = shards.shard_count(served)
+    saved_counts = {int(m.group(2)) for m in files.values()}
     if saved_counts != {count}:
       raise StateMismatchError(
           f"the checkpoint in {directory} holds logical shards of {sorted(saved_counts)} "
           f"(logical_shards: saved {sorted(saved_counts)}, now {count}): restore with the "
           "logical_shards it was saved with (unset means one per process)")
-    paths = [directory / f"shard_state_{shard}-of-{count}.json" for shard in served["shards"]]
+    present = {int(m.group(1)) for m in files.values()}
+    if present != set(range(count)):
+      extra = sorted(n for n, m in files.items() if int(m.group(1)) >= count)
+      missing = sorted(set(range(count)) - present)
+      raise StateMismatchError(
+          f"the checkpoint in {directory} does not hold exactly the {count} logical shards "
+          f"it was saved with (files of no such shard: {extra or 'none'}; shards without a "
+          f"file: {missing or 'none'}): a copy gone wrong? Restore from a complete step")
+    paths = [directory / f"shard_state_{shard}-of-{count}.json"
+             for shard in shards.served(served)]
     parts = []
-    for shard, path in zip(served["shards"], paths):
-      if not path.exists():
-        raise StateMismatchError(f"{path} is missing: this process serves logical shard "
-                                 f"{shard} of {count}")
+    for path in paths:
       with _naming([path]):
         parts.append(json.loads(path.read_text()))
     with _naming(paths):
-      item.set_state(joined_states(parts))
+      joined = shards.joined_states(parts)
+      joined.pop("save", None)
+      item.set_state(joined, allow_changes=args.allow_changes,
+                     saved_manifests=_manifests(directory / _MANIFEST))
     item.start_prefetch()
     return item
 
@@ -153,13 +189,27 @@ class ShardStatesHandler:
     return f"{cls.__module__}.{cls.__qualname__}"
 
 
+def _manifests(path: epath.Path) -> dict[str, dict[str, Manifest]] | None:
+  """The data manifests a checkpoint kept (None for one written before they were kept)."""
+  if not path.exists():
+    return None
+  with _naming([path]):
+    try:
+      return {group: {name: Manifest.from_json(m) for name, m in datasets.items()}
+              for group, datasets in json.loads(path.read_text()).items()}
+    except (KeyError, TypeError, ValueError, AttributeError) as e:
+      raise StateMismatchError(f"malformed data manifest ({type(e).__name__}: {e})") from e
+
+
 @ocp.args.register_with_handler(ShardStatesHandler, for_save=True)
 @dataclasses.dataclass
 class ShardStatesSave(ocp.args.CheckpointArgs):
   item: Any
+  save: dict[str, Any] = dataclasses.field(default_factory=dict)  # step and run identity
 
 
 @ocp.args.register_with_handler(ShardStatesHandler, for_restore=True)
 @dataclasses.dataclass
 class ShardStatesRestore(ocp.args.CheckpointArgs):
   item: Any
+  allow_changes: bool = False

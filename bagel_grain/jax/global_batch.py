@@ -159,11 +159,16 @@ class DevicePrefetchIterator(grain.DatasetIterator):
   def get_state(self) -> dict[str, Any]:
     return self._state
 
-  def set_state(self, state: dict[str, Any]) -> None:
+  def set_state(self, state: dict[str, Any], **options: Any) -> None:
+    """The pipeline's `set_state` (`options`: `allow_changes`, `saved_manifests`)."""
     self._stop_thread()
-    self._parent.set_state(state)
+    self._parent.set_state(state, **options)
     self._state = self._parent.get_state()
     self._failure, self._ended = None, False
+
+  def manifests(self):
+    """The pipeline's data manifests (what a checkpoint keeps)."""
+    return self._parent.manifests()
 
   def close(self) -> None:
     if self._closed:

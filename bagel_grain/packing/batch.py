@@ -16,7 +16,7 @@ threads calling `next()` take turns.
 from __future__ import annotations
 
 import threading
-from typing import Any, NoReturn, Sequence
+from typing import Any, Mapping, NoReturn, Sequence
 
 import grain
 
@@ -29,6 +29,7 @@ from bagel_grain.packing.row import Capacities, batch_row, empty_row, write_row
 from bagel_grain.packing.shards import (InterleavePosition, ShardInterleaveDataset,
                                         ShardInterleaveIterator)
 from bagel_grain.packing.stage import StageIterator, interrupts_held
+from bagel_grain.sources.manifest import Manifest
 
 SampleKeys = tuple[tuple[str, int, int, str], ...]
 
@@ -40,17 +41,17 @@ class BatchDataset(grain.IterDataset):
   """
 
   def __init__(self, rows: PackDataset | ShardInterleaveDataset, *, batch_size: int,
-               capacities: Capacities, fingerprint: dict[str, Any]):
+               capacities: Capacities, identity: envelope.StreamIdentity):
     super().__init__(rows)
     if batch_size < 1:
       raise ValueError(f"batch_size must be >= 1, got {batch_size}")
     self.batch_size = batch_size
     self.capacities = capacities
-    self.fingerprint = dict(fingerprint)
+    self.identity = identity
 
   def __iter__(self) -> BatchIterator:
     return BatchIterator(self._parent.__iter__(), batch_size=self.batch_size,
-                         capacities=self.capacities, fingerprint=self.fingerprint)
+                         capacities=self.capacities, identity=self.identity)
 
   def __str__(self) -> str:
     return f"BatchDataset(batch_size={self.batch_size})"
@@ -79,12 +80,12 @@ class BatchIterator(StageIterator):
   the pipeline's counters."""
 
   def __init__(self, rows: PackIterator | ShardInterleaveIterator, *, batch_size: int,
-               capacities: Capacities, fingerprint: dict[str, Any]):
+               capacities: Capacities, identity: envelope.StreamIdentity):
     super().__init__(rows)
     self._rows = rows
     self._batch_size = batch_size
     self._capacities = capacities
-    self._fingerprint = dict(fingerprint)
+    self._identity = identity
     self._step = threading.Lock()  # one next() or set_state() at a time
     self._position_lock = threading.Lock()  # guards `_in_flight` and each change of position
     # The position a next() in progress started at.
@@ -98,7 +99,7 @@ class BatchIterator(StageIterator):
       with self._position_lock:
         self._in_flight = start
       try:
-        return self._own_time(self._next_batch)
+        return self._stats.record_output_spec(self._own_time(self._next_batch))
       except StopIteration:
         raise  # the stream's end: what was drawn on the way (drops, say) is counted
       except BaseException:
@@ -133,16 +134,28 @@ class BatchIterator(StageIterator):
     return tuple((names[s.key.group], s.key.index, s.key.epoch, s.key.record) for s in members)
 
   def get_state(self) -> dict[str, Any]:
-    return envelope.sealed(self._rows.state_of(self._position()), self._fingerprint)
+    return envelope.sealed(self._rows.state_of(self._position()), self._identity.fingerprint)
 
-  def set_state(self, state: dict[str, Any]) -> None:
+  def set_state(self, state: dict[str, Any], *, allow_changes: bool = False,
+                saved_manifests: Mapping[str, Mapping[str, Manifest]] | None = None) -> None:
     """Continues from `state`, all checked first: a malformed or foreign one is a
-    StateMismatchError naming the field, and the iterator stays where it was."""
+    StateMismatchError naming the field, and the iterator stays where it was.
+
+    `allow_changes`: continue across the changes a new stage of training makes
+    (weights, groups added or removed at the end; `packing.continuation`), never
+    across changed data. `saved_manifests` (a checkpoint keeps them): the data the
+    state was saved on, so that a refusal names the files that changed.
+    """
     with self._step:
-      position = self._rows.parse_state(envelope.opened(state, self._fingerprint))
+      position = self._rows.parse_state(envelope.opened(
+          state, self._identity, allow_changes=allow_changes, saved_manifests=saved_manifests))
       self._rows.forget_prefetched()
       with interrupts_held(), self._position_lock:
         self._rows.restore(position)
+
+  def manifests(self) -> Mapping[str, Mapping[str, Manifest]]:
+    """Per group and dataset, the data this stream reads (what a checkpoint keeps)."""
+    return self._identity.manifests
 
   def stats(self) -> dict[str, Any]:
     """The packer's counters (drawn, packed, dropped by reason, epochs); see PackIterator."""

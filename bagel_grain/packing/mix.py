@@ -106,12 +106,16 @@ class MixDataset(grain.IterDataset):
   def __init__(self, groups: Sequence[grain.MapDataset], spec: MixSpec,
                fetcher: FetcherFactory = inline_fetcher):
     super().__init__(list(groups))
-    self._groups = list(groups)
+    self.groups = tuple(groups)
     self.spec = spec
     self._fetcher = fetcher
 
   def __iter__(self) -> MixIterator:
-    return MixIterator(self._groups, self.spec, self._fetcher)
+    return self.iterator()
+
+  def iterator(self, fetcher: FetcherFactory | None = None) -> MixIterator:
+    """An iterator reading the groups through `fetcher` (default: the dataset's)."""
+    return MixIterator(self.groups, self.spec, self._fetcher if fetcher is None else fetcher)
 
   def __str__(self) -> str:
     return f"MixDataset(groups={self.spec.group_names})"
@@ -143,7 +147,7 @@ class MixIterator(PositionedStageIterator):
 
   def __next__(self) -> PreparedSample:
     """A usable sample from a group drawn by weight among those not yet exhausted."""
-    return self._own_time(self._weighted)
+    return self._stats.record_output_spec(self._own_time(self._weighted))
 
   def next_of(self, group: int) -> PreparedSample | None:
     """The group's next usable sample (drops counted); None once it is exhausted."""

@@ -8,7 +8,8 @@ cannot be buffered is carried to the next row) and a row never exceeds a
 capacity. Each element is one row: its samples, in order.
 
 State: the keys of the buffered and carried samples (re-created by random
-access on restore), plus the row counters; the mixing stage's state beside it.
+access on restore) in lists of fixed length, plus the row counters; the mixing
+stage's state beside it.
 A `PackPosition` holds all of it by value (the samples themselves, not keys), so
 the stage above can put a step that did not complete back.
 """
@@ -23,12 +24,23 @@ import grain
 
 from bagel_grain.packing import stats
 from bagel_grain.errors import StateMismatchError
-from bagel_grain.packing.mix import MixDataset, MixIterator, MixPosition
+from bagel_grain.packing.mix import FetcherFactory, MixDataset, MixIterator, MixPosition
 from bagel_grain.packing.prepare import PreparedSample
 from bagel_grain.packing.row import Capacities, RowBuilder
 from bagel_grain.packing.stage import PositionedStageIterator
 from bagel_grain.packing.state import entry, sequence, whole
 from bagel_grain.packing.stats import RowCounts
+
+
+EMPTY = [-1, -1]  # an unused slot of the state's `buffer` and `carried` lists
+
+
+def _slots(samples: Sequence[PreparedSample], slots: int) -> list[list[int]]:
+  """The samples' (group, index) keys in a list of fixed length: the state's structure does
+  not change with how many samples wait (Grain's checkpoint contract)."""
+  if len(samples) > slots:
+    raise AssertionError(f"{len(samples)} samples waiting, over the {slots} the rules allow")
+  return [[s.key.group, s.key.index] for s in samples] + [list(EMPTY)] * (slots - len(samples))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,10 +70,15 @@ class PackDataset(grain.IterDataset):
 
   def __init__(self, mixed: MixDataset, spec: PackSpec):
     super().__init__(mixed)
+    self.mixed = mixed
     self.spec = spec
 
   def __iter__(self) -> PackIterator:
-    return PackIterator(self._parent.__iter__(), self.spec)
+    return self.iterator()
+
+  def iterator(self, fetcher: FetcherFactory | None = None) -> PackIterator:
+    """An iterator whose mixing stage reads through `fetcher` (default: its own)."""
+    return PackIterator(self.mixed.iterator(fetcher), self.spec)
 
   def __str__(self) -> str:
     return "PackDataset"
@@ -84,7 +101,7 @@ class PackIterator(PositionedStageIterator):
     return self._mix.group_names
 
   def __next__(self) -> tuple[PreparedSample, ...]:
-    return self._own_time(self._next_row)
+    return self._stats.record_output_spec(self._own_time(self._next_row))
 
   def _next_row(self) -> tuple[PreparedSample, ...]:
     self._row.reset()
@@ -187,9 +204,16 @@ class PackIterator(PositionedStageIterator):
 
   def _keys(self, state: Any, field: str, most: int,
             mixed: MixPosition) -> list[tuple[int, int]]:
-    """(group, index) of each sample a state's `field` lists: drawn before it was saved."""
+    """(group, index) of each sample a state's `field` lists: drawn before it was saved.
+
+    The list has `most` slots, the samples first, then `EMPTY` (states of versions 1
+    and 2 list only the samples)."""
     keys = []
-    for k, key in enumerate(sequence(entry(state, field), field, most=most)):
+    slots = sequence(entry(state, field), field, most=most)
+    used = next((k for k, key in enumerate(slots) if key == EMPTY), len(slots))
+    if any(key != EMPTY for key in slots[used:]):
+      raise StateMismatchError(f"state field `{field}`: a sample after an empty slot")
+    for k, key in enumerate(slots[:used]):
       group, index = sequence(key, f"{field}[{k}]", length=2)
       group = whole(group, f"{field}[{k}][0]", greatest=len(self.group_names) - 1)
       index = whole(index, f"{field}[{k}][1]", greatest=mixed.next_index[group] - 1)
@@ -199,8 +223,8 @@ class PackIterator(PositionedStageIterator):
   def state_of(self, position: PackPosition) -> dict[str, Any]:
     mixed = self._mix.state_of(position.mix)
     return {"next_index": mixed["next_index"], "draws": mixed["draws"],
-            "buffer": [[s.key.group, s.key.index] for s in position.buffer],
-            "carried": [[s.key.group, s.key.index] for s in position.carried],
+            "buffer": _slots(position.buffer, self._spec.max_buffer_size),
+            "carried": _slots(position.carried, self._most_carried()),
             "stats": stats.merged(mixed["stats"], position.counts)}
 
   def forget_prefetched(self) -> None:

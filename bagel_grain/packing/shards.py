@@ -24,21 +24,13 @@ import grain
 
 from bagel_grain.errors import StateMismatchError
 from bagel_grain.packing import stats
-from bagel_grain.packing.mix import ElementFetcher, FetcherFactory, MixDataset, MixSpec
-from bagel_grain.packing.pack import PackDataset, PackIterator, PackPosition, PackSpec
+from bagel_grain.packing.mix import ElementFetcher, FetcherFactory
+from bagel_grain.packing.pack import PackDataset, PackIterator, PackPosition
 from bagel_grain.packing.prepare import PreparedSample
 from bagel_grain.packing.stage import PositionedStageIterator
 from bagel_grain.packing.state import entry, mapping, whole
 
 _SHARD_KEYS = ("shard", "rows", "ended", "packer")  # a shard's part of a saved state
-
-
-@dataclasses.dataclass(frozen=True)
-class ShardMix:
-  """One logical shard's group datasets and its mixing spec (draws keyed by the shard)."""
-
-  groups: Sequence[grain.MapDataset]
-  spec: MixSpec
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,13 +63,13 @@ class _GroupsFrom:
 
 
 class ShardInterleaveDataset(grain.IterDataset):
-  """Rows (tuples of `PreparedSample`) of the served shards, interleaved."""
+  """Rows (tuples of `PreparedSample`) of the served shards, interleaved; its parents
+  are the shards' packing stages, keyed by logical shard."""
 
-  def __init__(self, shards: Mapping[int, ShardMix], pack: PackSpec, *, shard_count: int,
+  def __init__(self, shards: Mapping[int, PackDataset], *, shard_count: int,
                fetcher: FetcherFactory):
-    super().__init__([g for shard in shards.values() for g in shard.groups])
+    super().__init__(list(shards.values()))
     self._shards = dict(shards)
-    self.pack = pack
     self.shard_count = shard_count
     self._fetcher = fetcher
 
@@ -87,7 +79,7 @@ class ShardInterleaveDataset(grain.IterDataset):
     return tuple(self._shards)
 
   def __iter__(self) -> ShardInterleaveIterator:
-    return ShardInterleaveIterator(self._shards, self.pack, shard_count=self.shard_count,
+    return ShardInterleaveIterator(self._shards, shard_count=self.shard_count,
                                    fetcher=self._fetcher)
 
   def __str__(self) -> str:
@@ -95,22 +87,22 @@ class ShardInterleaveDataset(grain.IterDataset):
 
 
 class ShardInterleaveIterator(PositionedStageIterator):
-  """See the module docstring."""
+  """See the module docstring. Its parents are the served shards' packing iterators,
+  whose mixing stages read through views of one fetcher made here."""
 
-  def __init__(self, shards: Mapping[int, ShardMix], pack: PackSpec, *, shard_count: int,
+  def __init__(self, shards: Mapping[int, PackDataset], *, shard_count: int,
                fetcher: FetcherFactory):
-    super().__init__()
     self._close_fetcher: Callable[[], Any] = lambda: None  # until there is a fetcher
-    fetcher = fetcher([g for shard in shards.values() for g in shard.groups])
+    shared = fetcher([g for shard in shards.values() for g in shard.mixed.groups])
     # Closes the fetcher at close(), or at interpreter exit while the modules still work.
-    self._close_fetcher = weakref.finalize(self, fetcher.close)
+    self._close_fetcher = weakref.finalize(self, shared.close)
     self._packers: dict[int, PackIterator] = {}
     offset = 0
     for s, shard in shards.items():
-      view = _GroupsFrom(fetcher, offset)
-      mixed = MixDataset(shard.groups, shard.spec, fetcher=lambda _, view=view: view)
-      self._packers[s] = PackDataset(mixed, pack).__iter__()
-      offset += len(shard.groups)
+      view = _GroupsFrom(shared, offset)
+      self._packers[s] = shard.iterator(fetcher=lambda _, view=view: view)
+      offset += len(shard.mixed.groups)
+    super().__init__(list(self._packers.values()))
     self._shard_count = shard_count
     self._rows = dict.fromkeys(self._packers, 0)
     self._ended: set[int] = set()
@@ -120,6 +112,9 @@ class ShardInterleaveIterator(PositionedStageIterator):
     return next(iter(self._packers.values())).group_names
 
   def __next__(self) -> tuple[PreparedSample, ...]:
+    return self._stats.record_output_spec(self._own_time(self._next_row))
+
+  def _next_row(self) -> tuple[PreparedSample, ...]:
     while True:
       live = [s for s in self._packers if s not in self._ended]
       if not live:
@@ -206,6 +201,21 @@ class ShardInterleaveIterator(PositionedStageIterator):
     return f"ShardInterleaveIterator(shards={tuple(self._packers)} of {self._shard_count})"
 
 
+def is_sharded(state: Any) -> bool:
+  """Whether `state` is a pipeline state of logical shards (what `split_state` takes)."""
+  return isinstance(state, dict) and "shards" in state and "logical_shards" in state
+
+
+def shard_count(state: dict[str, Any]) -> int:
+  """S, the logical shards the state's stream is defined over."""
+  return entry(state, "logical_shards")
+
+
+def served(state: dict[str, Any]) -> list[int]:
+  """The logical shards a state (or a process's own state) holds."""
+  return [int(s) for s in entry(state, "shards")]
+
+
 def split_state(state: dict[str, Any]) -> dict[int, dict[str, Any]]:
   """A pipeline state as one self-contained part per logical shard (a checkpoint file):
   the shard's entry beside everything the state holds for all shards."""
@@ -222,7 +232,12 @@ def joined_states(parts: Iterable[dict[str, Any]]) -> dict[str, Any]:
       entry(part, key)
     rest = {k: v for k, v in part.items() if k not in _SHARD_KEYS}
     if common is None:
-      common = rest
+      common, first = rest, part["shard"]
+    elif rest.get("save") != common.get("save"):
+      raise StateMismatchError(
+          f"logical shard {part['shard']} was saved by another save ({rest.get('save')}) than "
+          f"logical shard {first} ({common.get('save')}): the checkpoint mixes files of "
+          "different saves (a copy gone wrong, a partial sync?)")
     elif rest != common:
       raise StateMismatchError(f"logical shard {part['shard']} was saved by another stream "
                                f"than the other shards ({rest} vs {common})")

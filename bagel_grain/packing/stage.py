@@ -1,9 +1,10 @@
 """What the packer's stage iterators share: `with` closes them, and their own time is Grain's.
 
-Each stage reports the time of its own work through Grain's dataset statistics
-(`record_self_time`), less the time it spent waiting on what feeds it (its parent
-stage, or the fetcher's decoding), so `grain.experimental.get_execution_summary`
-shows where the main process spends its time, stage by stage
+Each stage records, as Grain's own transformations do, its output spec
+(`record_output_spec`) and the time of its own work (`record_self_time`), less the
+time it spent waiting on what feeds it (its parent stage, or the fetcher's
+decoding). With Grain's stage timing on (`with_stage_timing`), Grain's execution
+statistics then show where the main process spends its time, stage by stage
 (`StageIterator.stage_seconds`).
 """
 
@@ -16,11 +17,6 @@ import time
 from typing import Any, Callable, TypeVar
 
 import grain
-
-try:
-  from grain.experimental import get_execution_summary
-except ImportError:  # Grain 0.2.18 has it, not yet exported
-  from grain._src.python.dataset.dataset import get_execution_summary  # pylint: disable=ungrouped-imports
 
 T = TypeVar("T")
 
@@ -39,15 +35,26 @@ class StageIterator(grain.DatasetIterator):
     self.close()
 
   def stage_seconds(self) -> dict[str, float]:
-    """Seconds of own work so far of this stage and those feeding it, by iterator name,
-    from Grain's execution summary (switch it on with `with_stage_timing`)."""
-    try:
-      self._stats.report()  # fold in what was recorded since Grain's last periodic report
-    except IndexError:  # Grain's reporting thread emptied a buffer at the same moment
-      self._stats.report()
-    summary = get_execution_summary(self)
-    return {node.name.split("(")[0]: node.total_processing_time_ns / 1e9
-            for node in summary.nodes.values()}
+    """Seconds of own work so far of this stage and those feeding it, summed by iterator
+    class, from Grain's execution statistics (switch them on with `with_stage_timing`).
+
+    Grain 0.2.18 exports no reader of its statistics, and its reporting thread drains
+    the recorded times into each node's summary: draining them from this thread too
+    would race it. So each node is read as it stands, summary plus times not yet
+    drained, and nothing is changed.
+    """
+    seconds: dict[str, float] = {}
+    nodes = [self._stats]
+    while nodes:
+      node = nodes.pop()
+      summary = getattr(node, "_summary", None)
+      if summary is not None:  # an execution-statistics node (stage timing is on)
+        pending = sum(t.duration_ns for t in list(node._self_times_buffer))
+        name = node._config.name.split("(")[0]
+        seconds[name] = seconds.get(name, 0.0) + (summary.total_processing_time_ns
+                                                  + pending) / 1e9
+      nodes.extend(node._parents)
+    return seconds
 
   def _waiting(self, fn: Callable[..., T], *args: Any) -> T:
     """`fn(*args)`, its time left out of this stage's own time."""

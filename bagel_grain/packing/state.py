@@ -2,21 +2,28 @@
 
 The envelope is a version and the stream's fingerprint, checked first. Inside it
 the stages keep their own keys (packing/shards.py per logical shard, then
-packing/pack.py, packing/mix.py); the whole is plain JSON of a few hundred bytes
-per shard, whatever the buffers hold. Version 1 (release 0.1.0, one process's
-packing state) is read as the single shard of its process. A stage parses its
+packing/pack.py, packing/mix.py); the whole is plain JSON of fixed structure for a
+given config and process count (lists of fixed length, every counter present),
+as Grain's checkpoint contract asks. Version 2 held only what was in use (lists
+as long as their content, counters when non-zero) and reads as it is; version 1
+(release 0.1.0, one process's packing state) is read as the single shard of its
+process. A stage parses its
 keys with the helpers below before it changes anything, so a malformed state is
 a StateMismatchError naming the field, and the iterator stays where it was.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 from typing import Any, Mapping, Sequence
 
 from bagel_grain.errors import StateMismatchError
+from bagel_grain.packing import continuation
+from bagel_grain.sources.manifest import Manifest
 
-STATE_VERSION = 2
+STATE_VERSION = 3
+READABLE_VERSIONS = (1, 2, 3)  # 2: lists and counters hold only what is used
 
 
 def sealed(state: dict[str, Any], fingerprint: dict[str, Any]) -> dict[str, Any]:
@@ -31,33 +38,71 @@ def _from_version_1(state: Mapping[str, Any]) -> dict[str, Any]:
   packer = {k: v for k, v in state.items() if k not in ("version", "fingerprint")}
   stats = packer.get("stats")
   rows = stats.get("rows") if isinstance(stats, Mapping) else None  # checked with the shard
-  return {"version": STATE_VERSION, "fingerprint": {**fingerprint, "logical_shards": count},
+  return {"version": 2, "fingerprint": {**fingerprint, "logical_shards": count},
           "logical_shards": count, "shards": {str(shard): {
               "rows": rows, "ended": False, "packer": packer}}}
 
 
-def opened(state: Any, fingerprint: dict[str, Any]) -> dict[str, Any]:
+@dataclasses.dataclass(frozen=True)
+class StreamIdentity:
+  """What a saved state must match to continue this stream.
+
+  `fingerprint`: what shapes the stream, field by field, the data's summaries under
+  `data`. `legacy`: the fingerprint versions 1 and 2 wrote (each group one hash, no
+  data). `defaults`: per config field (dotted, as `fingerprint` nests it), the value
+  a state saved before the field existed stands for. `manifests`: per group and
+  dataset, the data this pipeline reads (a checkpoint keeps them, to name files).
+  """
+
+  fingerprint: dict[str, Any]
+  legacy: dict[str, Any] | None = None
+  defaults: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+  manifests: Mapping[str, Mapping[str, Manifest]] = dataclasses.field(default_factory=dict)
+
+
+def opened(state: Any, identity: StreamIdentity, *, allow_changes: bool = False,
+           saved_manifests: Mapping[str, Mapping[str, Manifest]] | None = None
+           ) -> dict[str, Any]:
   """The stages' part of a saved state, once its version and fingerprint match ours.
 
   The fingerprint is compared field by field (nested mappings by their dotted
-  keys), and the error names every field that differs.
+  keys), and the error names every field that differs, and every dataset whose
+  files changed (by file when `saved_manifests` are given). With `allow_changes`,
+  the changes `continuation` allows (weights, groups added or removed at the end)
+  are applied to the state instead (docs/changes.md).
   """
   mapping(state, "state")
   if state.get("version") == 1:
     state = _from_version_1(state)
-  if state.get("version") != STATE_VERSION:
-    raise StateMismatchError(f"iterator state version {state.get('version')!r}; this "
-                             f"bagel_grain reads version {STATE_VERSION}")
-  saved = _flat(mapping(state.get("fingerprint"), "fingerprint"))
-  ours = _flat(fingerprint)
-  changed = sorted(k for k in set(saved) | set(ours) if saved.get(k) != ours.get(k))
-  if changed:
-    detail = "; ".join(f"{k}: saved {saved.get(k)!r}, now {ours.get(k)!r}" for k in changed)
-    raise StateMismatchError(
-        f"the saved state belongs to a different stream ({detail}). Restore with the "
-        "same config, tokenizer, seed and logical shards (without `logical_shards`: the same "
-        "process count), or start without the state.")
-  return {k: v for k, v in state.items() if k not in ("version", "fingerprint")}
+  version = state.get("version")
+  if version not in READABLE_VERSIONS:
+    raise StateMismatchError(f"iterator state version {version!r}; this "
+                             f"bagel_grain reads versions {list(READABLE_VERSIONS)}")
+  saved_tree = mapping(state.get("fingerprint"), "fingerprint")
+  ours_tree = identity.fingerprint if version >= 3 or identity.legacy is None else identity.legacy
+  saved, ours = _flat(saved_tree), _flat(ours_tree)
+  changed = sorted(k for k in set(saved) | set(ours)
+                   if saved.get(k, _ABSENT) != ours.get(k, _ABSENT)
+                   and not (k not in saved and k in identity.defaults
+                            and ours[k] == identity.defaults[k]))
+  stages = {k: v for k, v in state.items() if k not in ("version", "fingerprint")}
+  if not changed:
+    return stages
+  return continuation.applied(stages, continuation.Changes(
+      changed=changed, saved=saved, ours=ours,
+      saved_groups=_group_names(saved_tree), our_groups=_group_names(ours_tree),
+      saved_manifests=saved_manifests or {}, our_manifests=identity.manifests),
+      allow=allow_changes)
+
+
+_ABSENT = object()
+
+
+def _group_names(fingerprint: Mapping[str, Any]) -> list[str]:
+  """The groups in their config order (a fingerprint lists them so)."""
+  config = fingerprint.get("config")
+  groups = config.get("groups") if isinstance(config, Mapping) else None
+  return list(groups) if isinstance(groups, Mapping) else []
 
 
 def _flat(tree: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:

@@ -1,8 +1,14 @@
 """The stages' counters: what mixing drew and dropped, what packing put into rows.
 
 Plain JSON, saved in the iterator state so they survive a restore. Each stage
-counts its own; the state keeps them in one `stats` dict (the layout of state
-version 1), where `counts` holds per group `drawn` (mixing) and `packed` (packing).
+counts its own; the state keeps them in one `stats` dict, where `counts` holds
+per group `drawn` (mixing) and `packed` (packing). The layout is fixed for a
+given set of groups: every group, every `DropReason` and every `Note` is present,
+zero when unused, so the state's structure never changes from step to step (as
+Grain's checkpoint contract asks). A group's drops are a list of counts in the
+order `drop_reasons` names once (the reasons' names would triple the state). States of versions 1 and 2 listed only what
+was non-zero: an absent entry reads as zero, an unknown one is refused.
+`report` gives the non-zero counters, as reports always did.
 """
 
 from __future__ import annotations
@@ -10,8 +16,12 @@ from __future__ import annotations
 import collections
 from typing import Any, Sequence
 
+from bagel_grain.drops import DropReason, Note
 from bagel_grain.errors import StateMismatchError
-from bagel_grain.packing.state import counter, entry, mapping, per_group, whole
+from bagel_grain.packing.state import counter, entry, mapping, per_group, sequence, whole
+
+REASONS = tuple(r.value for r in DropReason)
+NOTES = tuple(n.value for n in Note)
 
 
 class DrawCounts:
@@ -28,20 +38,20 @@ class DrawCounts:
     self.drawn_by[self._names[group]] += 1
     self.image_tokens += image_tokens
 
-  def dropped(self, group: int, reason: str) -> None:
+  def dropped(self, group: int, reason: DropReason) -> None:
     # A DropReason counts under its plain value: reports print and dump as plain strings.
-    self.drops[self._names[group]][str(reason)] += 1
+    self.drops[self._names[group]][DropReason(reason).value] += 1
 
   def noted(self, group: int, notes: Sequence[str]) -> None:
     for note in notes:
-      self.notes[self._names[group]][note] += 1
+      self.notes[self._names[group]][Note(note).value] += 1
 
   def to_json(self) -> dict[str, Any]:
     return {"image_tokens": self.image_tokens,
-            "counts": {name: {"drawn": self.drawn_by[name]} if self.drawn_by[name] else {}
-                       for name in self._names},
-            "drops": {k: dict(v) for k, v in self.drops.items()},
-            "notes": {k: dict(v) for k, v in self.notes.items()}}
+            "counts": {name: {"drawn": self.drawn_by[name]} for name in self._names},
+            "drop_reasons": list(REASONS),  # names the entries of each group's `drops`
+            "drops": {k: [v[r] for r in REASONS] for k, v in self.drops.items()},
+            "notes": {k: {n: v[n] for n in NOTES} for k, v in self.notes.items()}}
 
   @classmethod
   def from_json(cls, group_names: Sequence[str], stats: Any) -> DrawCounts:
@@ -53,11 +63,30 @@ class DrawCounts:
                              "stats.image_tokens")
     for name, n in _group_counts(stats, out._names, "drawn").items():
       out.drawn_by[name] = n
-    for field in ("drops", "notes"):
+    reasons = stats.get("drop_reasons")
+    if reasons is not None:
+      reasons = _known(dict.fromkeys(sequence(reasons, "stats.drop_reasons"), 0),
+                       "stats.drop_reasons", REASONS)
+    for field, known in (("drops", REASONS), ("notes", NOTES)):
       groups = per_group(entry(stats, field, f"stats.{field}"), f"stats.{field}", out._names)
       for name, counts in groups.items():
-        getattr(out, field)[name].update(counter(counts, f"stats.{field}.{name}"))
+        where = f"stats.{field}.{name}"
+        if field == "drops" and reasons is not None:  # counts listed in `drop_reasons` order
+          counts = dict(zip(reasons, sequence(counts, where, length=len(reasons))))
+        getattr(out, field)[name].update(_known(counts, where, known))
     return out
+
+
+def _known(value: Any, field: str, known: Sequence[str]) -> dict[str, int]:
+  """A counter whose keys are all in `known` (unknown ones are named, a few of them)."""
+  counts = counter(value, field)
+  unknown = sorted(set(counts) - set(known))
+  if unknown:
+    shown = ", ".join(repr(k[:40]) for k in unknown[:5])
+    raise StateMismatchError(f"state field `{field}`: {len(unknown)} unknown names ({shown}"
+                             f"{', ...' if len(unknown) > 5 else ''}); they must be among "
+                             f"{', '.join(known)}")
+  return counts
 
 
 class RowCounts:
@@ -81,9 +110,8 @@ class RowCounts:
 
   def to_json(self) -> dict[str, Any]:
     return {"rows": self.rows, "tokens": self.tokens,
-            "counts": {name: {"packed": self.packed_by[name]} if self.packed_by[name] else {}
-                       for name in self._names},
-            "missing_mandatory": dict(self.missing_mandatory)}
+            "counts": {name: {"packed": self.packed_by[name]} for name in self._names},
+            "missing_mandatory": {name: self.missing_mandatory[name] for name in self._names}}
 
   @classmethod
   def from_json(cls, group_names: Sequence[str], stats: Any) -> RowCounts:
@@ -95,13 +123,9 @@ class RowCounts:
     out.tokens = whole(entry(stats, "tokens", "stats.tokens"), "stats.tokens")
     for name, n in _group_counts(stats, out._names, "packed").items():
       out.packed_by[name] = n
-    missing = counter(entry(stats, "missing_mandatory", "stats.missing_mandatory"),
-                      "stats.missing_mandatory")
-    unknown = set(missing) - set(out._names)
-    if unknown:
-      raise StateMismatchError(f"state field `stats.missing_mandatory`: unknown groups "
-                               f"{sorted(unknown)}")
-    out.missing_mandatory.update(missing)
+    out.missing_mandatory.update(_known(
+        entry(stats, "missing_mandatory", "stats.missing_mandatory"), "stats.missing_mandatory",
+        out._names))
     return out
 
 
@@ -120,18 +144,23 @@ def merged(draws: dict[str, Any], rows: dict[str, Any]) -> dict[str, Any]:
   """The state's `stats`: both stages' counters, `counts` joined per group."""
   counts = {name: {**draws["counts"][name], **rows["counts"][name]} for name in draws["counts"]}
   return {"rows": rows["rows"], "tokens": rows["tokens"], "image_tokens": draws["image_tokens"],
-          "counts": counts, "drops": draws["drops"], "notes": draws["notes"],
+          "counts": counts, "drop_reasons": draws["drop_reasons"], "drops": draws["drops"],
+          "notes": draws["notes"],
           "missing_mandatory": rows["missing_mandatory"]}
 
 
 def report(stats: dict[str, Any]) -> dict[str, Any]:
-  """The counters plus totals: drawn, packed and dropped over all groups, drops by reason."""
-  out = dict(stats)
-  out["drawn"] = sum(c.get("drawn", 0) for c in stats["counts"].values())
-  out["packed"] = sum(c.get("packed", 0) for c in stats["counts"].values())
-  out["dropped"] = sum(sum(d.values()) for d in stats["drops"].values())
+  """The non-zero counters plus totals: drawn, packed and dropped over all groups, drops by
+  reason."""
+  stats = {**stats, "drops": {name: dict(zip(stats["drop_reasons"], counts))
+                               for name, counts in stats["drops"].items()}}
+  del stats["drop_reasons"]
+  out = _nonzero(stats)
+  out["drawn"] = sum(c.get("drawn", 0) for c in out["counts"].values())
+  out["packed"] = sum(c.get("packed", 0) for c in out["counts"].values())
+  out["dropped"] = sum(sum(d.values()) for d in out["drops"].values())
   by_reason = collections.Counter()
-  for d in stats["drops"].values():
+  for d in out["drops"].values():
     by_reason.update(d)
   out["drops_by_reason"] = dict(by_reason)
   return out
@@ -144,3 +173,10 @@ def summed(reports: Sequence[Any]) -> Any:
     return sum(reports)
   keys = dict.fromkeys(k for r in reports for k in r)
   return {k: summed([r[k] for r in reports if k in r]) for k in keys}
+
+
+def _nonzero(tree: Any) -> Any:
+  """Nested counters without their zero entries (a group's mapping stays, maybe empty)."""
+  if not isinstance(tree, dict):
+    return tree
+  return {k: _nonzero(v) for k, v in tree.items() if isinstance(v, dict) or v}

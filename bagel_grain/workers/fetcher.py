@@ -36,6 +36,7 @@ import weakref
 from multiprocessing.connection import wait
 from typing import Any, Callable, Sequence
 
+from bagel_grain.config import PipelineConfig
 from bagel_grain.sources.readahead import close_read_ahead
 from bagel_grain.workers.process import GUARD_HINT, Worker, WorkerError, recv, start_workers
 
@@ -61,7 +62,7 @@ class Fetcher:
   """
 
   def __init__(self, datasets: Sequence[Any], *, workers: int, depths: Sequence[int],
-               timeout_s: float,
+               timeout_s: float = PipelineConfig.element_timeout_s,
                describe: Callable[[int, int], str] | None = None):
     self._datasets = list(datasets)
     self._depths = list(depths)

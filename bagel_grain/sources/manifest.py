@@ -1,0 +1,94 @@
+"""What a dataset's records are made of, as a saved state remembers them.
+
+A manifest lists a dataset's files relative to its root (the `data_dir` of a
+parquet folder, the folder of a JSONL file, the ArrayRecord path), with their
+sizes, and the number of blocks the dataset's source holds (parquet row groups,
+JSONL lines in use, ArrayRecord records). Paths are relative, so the same data
+copied to a bucket has the same manifest. A state carries one short summary per
+dataset (`summary`: counts and a digest, some 80 bytes); a checkpoint keeps the
+whole manifest beside it, so a restore onto changed data names the files that
+changed (`changes`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+from typing import Any, Mapping, Sequence
+
+from bagel_grain import fs
+from bagel_grain.config import DatasetSpec
+from bagel_grain.sources.array_record import array_record_files
+from bagel_grain.sources.base import RecordSource
+
+
+@dataclasses.dataclass(frozen=True)
+class Manifest:
+  """One dataset: its root, `files` as (relative path, bytes), and its source's blocks."""
+
+  root: str
+  files: tuple[tuple[str, int], ...]
+  blocks: int
+
+  def summary(self) -> dict[str, Any]:
+    """What the state keeps of it: counts, and a digest of the file list and sizes."""
+    listing = json.dumps([list(f) for f in self.files]).encode()
+    return {"files": len(self.files), "bytes": sum(size for _, size in self.files),
+            "blocks": self.blocks, "digest": hashlib.sha256(listing).hexdigest()[:16]}
+
+  def to_json(self) -> dict[str, Any]:
+    return {"root": self.root, "files": [list(f) for f in self.files], "blocks": self.blocks}
+
+  @classmethod
+  def from_json(cls, value: Mapping[str, Any]) -> Manifest:
+    return cls(str(value["root"]), tuple((str(p), int(n)) for p, n in value["files"]),
+               int(value["blocks"]))
+
+
+def dataset_manifest(spec: DatasetSpec, source: RecordSource) -> Manifest:
+  """The manifest of one dataset as its (unrestricted) source reads it: one listing of its
+  folder, or one look at its file."""
+  if spec.array_record_path is not None:
+    paths = array_record_files(spec.array_record_path)
+    root = spec.array_record_path if fs.is_dir(spec.array_record_path) else fs.dirname(
+        spec.array_record_path)
+    files = [(_relative(p, root), fs.file_info(p).size) for p in paths]
+  elif spec.jsonl_path is not None:
+    root = fs.dirname(spec.jsonl_path)
+    files = [(_relative(spec.jsonl_path, root), fs.file_info(spec.jsonl_path).size)]
+  else:
+    root = spec.data_dir
+    files = [(i.base_name, i.size) for i in fs.list_file_infos(spec.data_dir, ".parquet")]
+  return Manifest(root, tuple(sorted(files)), source.num_blocks())
+
+
+def _relative(path: str, root: str) -> str:
+  return path[len(root):].lstrip("/") if path.startswith(root) else path
+
+
+def changes(saved: Manifest, now: Manifest) -> list[str]:
+  """What differs, file by file: added, removed, resized; then the blocks."""
+  before, after = dict(saved.files), dict(now.files)
+  out = [f"{p} added ({after[p]} bytes)" for p in sorted(set(after) - set(before))]
+  out += [f"{p} removed" for p in sorted(set(before) - set(after))]
+  out += [f"{p} changed size ({before[p]} -> {after[p]} bytes)"
+          for p in sorted(set(before) & set(after)) if before[p] != after[p]]
+  if saved.blocks != now.blocks:
+    out.append(f"blocks (row groups, lines or records) {saved.blocks} -> {now.blocks}")
+  return out
+
+
+def summary_changes(saved: Mapping[str, Any], now: Mapping[str, Any]) -> list[str]:
+  """What differs between two summaries, when the manifests themselves are not at hand."""
+  out = [f"{key} {saved.get(key)} -> {now.get(key)}" for key in ("files", "bytes", "blocks")
+         if saved.get(key) != now.get(key)]
+  if not out and saved.get("digest") != now.get("digest"):
+    out.append("file names or sizes (same totals)")
+  return out
+
+
+def describe(name: str, manifest: Manifest | None, changed: Sequence[str]) -> str:
+  """One dataset's changes, as an error names them."""
+  where = f" under {manifest.root}" if manifest is not None else ""
+  return f"dataset {name!r}{where}: {'; '.join(changed)}"
