@@ -206,13 +206,16 @@ def test_the_default_config_is_found_from_any_directory(install, demo_dir, tmp_p
   assert Path(where.stdout.strip()).is_relative_to(site)
 
 
-def test_runner_without_beam_names_the_beam_venv(demo_yaml, monkeypatch, capsys):
+def test_runner_without_beam_names_the_beam_venv(demo_yaml, tmp_path, monkeypatch, capsys):
   monkeypatch.setitem(sys.modules, "apache_beam", None)  # as in the loader's venv: no Beam
-  for argv in (["index", str(demo_yaml)], ["audit", "--config", str(demo_yaml)],
-               ["convert", "--config", str(demo_yaml), "--out", "unused"]):
+  out = tmp_path / "out"
+  for argv in (["index", str(demo_yaml)],
+               ["audit", "--config", str(demo_yaml), "--out", str(out / "audit")],
+               ["convert", "--config", str(demo_yaml), "--out", str(out)]):
     assert cli.main([*argv, "--runner", "DirectRunner"]) == 1
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and ".venv-beam" in err and "bagel_grain[beam]" in err
+  assert not out.exists()  # refused before anything was written
 
 
 def test_beam_options_pass_only_with_a_runner(capsys):

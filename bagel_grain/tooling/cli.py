@@ -203,12 +203,13 @@ def _audit(args) -> int:
   from bagel_grain.tooling import audit
 
   start = time.perf_counter()
+  if args.runner:
+    from bagel_grain.tooling import beam_runner
+    beam_runner.beam()  # before anything is written: names the Beam venv when Beam is missing
   out = args.out if "://" in args.out else os.path.abspath(args.out)
   if "://" not in out:
     os.makedirs(os.path.dirname(out), exist_ok=True)
   if args.runner:
-    from bagel_grain.tooling import beam_runner
-    beam_runner.beam()
     from bagel_grain.tooling import beam_audit
     where = (os.path.abspath(args.config) if args.config and "://" not in args.config
              else args.config, args.shipped, os.path.abspath(args.data))
