@@ -31,8 +31,8 @@ def beam():
   except ImportError:
     raise BeamMissing(
         "--runner needs Apache Beam, which the loader's environment does not hold: run the "
-        "command from the Beam venv (`make .venv-beam/.installed`, then `.venv-beam/bin/"
-        "bagel-grain ...`) or install `bagel_grain[beam]` with -c constraints-beam.txt in an "
+        "command from the Beam venv (`make beam-install`, then `.venv-beam/bin/bagel-grain "
+        "...`) or install `bagel_grain[beam]` with -c constraints-beam.txt in an "
         "environment of its own") from None
   return apache_beam
 
@@ -40,5 +40,5 @@ def beam():
 def pipeline_options(runner: str, extra: Sequence[str] = ()) -> Any:
   """Beam's PipelineOptions from `--runner` and the pass-through flags. The pipelines'
   functions live in bagel_grain modules, which every worker imports itself (on a
-  cluster: a worker image or `--setup_file` with bagel_grain[beam], see docs/beam.md)."""
+  cluster: `--extra_package` with bagel_grain's wheel, or a worker image; docs/beam.md)."""
   return beam().options.pipeline_options.PipelineOptions(["--runner", runner, *extra])
