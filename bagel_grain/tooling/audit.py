@@ -44,6 +44,7 @@ BINS_PER_OCTAVE = 8  # histogram bins: a quantile read from them is within 9% of
 QUANTILES = (0.01, 0.1, 0.5, 0.9, 0.99)
 DEFAULT_TASK_ELEMENTS = 256
 TOKEN_KINDS = ("text", "vit", "vae", "packed")
+HEADER_FORMATS = ("JPEG", "PNG", "WEBP", "GIF", "BMP", "TIFF")  # sizes read from the header
 IMAGE_KINDS = ("width_before", "height_before", "width_after", "height_after")
 
 
@@ -226,7 +227,8 @@ class _Observed(grain.transforms.RandomMap):
     def observed_load(data, targets):
       resized = load(data, targets)
       try:
-        with Image.open(io.BytesIO(bytes(data))) as img:  # the header only: no decode
+        # The header only, and only formats that decode nothing while opening.
+        with Image.open(io.BytesIO(bytes(data)), formats=HEADER_FORMATS) as img:
           before = img.size
       except Exception:  # pylint: disable=broad-except  # decoded already: cannot fail here
         before = None
