@@ -211,9 +211,8 @@ def _group_fingerprint(group: GroupConfig) -> dict[str, Any]:
   rest = {k: v for k, v in dataclasses.asdict(group).items()
           if k not in ("name", "weight", "is_mandatory", "datasets")}
   return {"weight": group.weight, "is_mandatory": group.is_mandatory,
-          "datasets": [[d.name, d.num_used_data,
-                        "array_record" if d.array_record_path else
-                        "jsonl" if d.jsonl_path else "parquet"] for d in group.datasets],
+          "datasets": [[d.name, d.num_used_data, str(group.family.record_format(d))]
+                       for d in group.datasets],
           "options": _short_hash(rest)}
 
 
@@ -236,7 +235,7 @@ def _config_defaults() -> dict[str, Any]:
 def stream_identity(cfg: PipelineConfig, tokenizer, *, seed: int, shard_count: int,
                     sources: Sequence[ConcatSource]) -> StreamIdentity:
   """What a saved state must match (see `StreamIdentity`), with each dataset's manifest."""
-  manifests = {g.name: {d.name: dataset_manifest(d, part)
+  manifests = {g.name: {d.name: dataset_manifest(d, g.family.record_format(d), part)
                         for d, part in zip(g.datasets, source.sources)}
                for g, source in zip(cfg.groups, sources)}
   return StreamIdentity(

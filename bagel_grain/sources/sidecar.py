@@ -523,9 +523,10 @@ def index_targets(cfg) -> tuple[list[str], dict[str, list[int]]]:
   parquet_dirs, jsonl_seeds = {}, {}
   for group in cfg.groups:
     for d in group.datasets:
-      if d.array_record_path is not None:
+      kind = group.family.record_format(d)
+      if kind == "array_record":
         continue
-      if group.family.reads_jsonl:
+      if kind == "jsonl":
         seeds = jsonl_seeds.setdefault(d.jsonl_path, set())
         if group.shuffle_lines:
           seeds.add(group.shuffle_seed)
