@@ -114,7 +114,8 @@ def family_transform(cfg: PipelineConfig, group: int, tokenizer) -> FamilyTransf
   g = cfg.groups[group]
   common = dict(group=group, tokenizer=tokenizer, max_decode_pixels=cfg.max_decode_pixels,
                 max_text_chars=cfg.max_num_tokens_per_sample * tokenizer.longest_token_chars,
-                max_image_bytes=cfg.max_image_bytes, jpeg_draft=cfg.jpeg_draft)
+                max_image_bytes=cfg.max_image_bytes, jpeg_draft=cfg.jpeg_draft,
+                max_sample_tokens=cfg.max_num_tokens_per_sample)
   return g.family.make_transform(g, **common)
 
 
