@@ -13,6 +13,8 @@ from bagel_grain.images import ImageTransform
 from bagel_grain.sources.parquet import ParquetRowSource
 from bagel_grain.sources.records import ConcatSource, ShuffledRecords
 from family_records import make_record, shape
+from hostile_images import (eps_bytes, ico_with_png, install_fake_gs, png_bytes,
+                            progressive_jpeg, repeat_last_scan, spy_decoders)
 from vlm_files import png
 
 PLAN = [("text", 1, 0), ("vae_image", 0, 1)]
@@ -75,3 +77,27 @@ def test_t2i_bad_image_and_image_of_the_wrong_type(t2i):
                         rng).reason == "bad_image"
   assert t2i.random_map(make_record({"image": "text", "captions": '{"a": "x"}'}),
                         rng).reason == "wrong_type"
+
+
+def test_t2i_eps_image_is_dropped_without_starting_a_process(t2i, tmp_path, monkeypatch):
+  log = install_fake_gs(tmp_path, monkeypatch)
+  out = t2i.random_map(make_record({"image": eps_bytes(), "captions": '{"a": "x"}'}),
+                       np.random.default_rng(0))
+  assert isinstance(out, Dropped) and out.reason == "bad_image" and "EPS" in out.detail
+  assert not log.exists()
+
+
+def test_t2i_ico_holding_a_large_png_is_dropped_before_decoding(t2i, monkeypatch):
+  calls = spy_decoders(monkeypatch)
+  ico = ico_with_png(png_bytes((2000, 2000)))  # a 16x16 directory entry over 4 Mpx
+  out = t2i.random_map(make_record({"image": ico, "captions": '{"a": "x"}'}),
+                       np.random.default_rng(0))
+  assert isinstance(out, Dropped) and out.reason == "bad_image" and calls == []
+
+
+def test_t2i_jpeg_scan_bomb_is_dropped_before_decoding(t2i, monkeypatch):
+  bomb = repeat_last_scan(progressive_jpeg((64, 64)), 1000)  # 1010 scans
+  calls = spy_decoders(monkeypatch)
+  out = t2i.random_map(make_record({"image": bomb, "captions": '{"a": "x"}'}),
+                       np.random.default_rng(0))
+  assert isinstance(out, Dropped) and out.reason == "too_many_jpeg_scans" and calls == []
