@@ -89,7 +89,8 @@ def group_source(cfg: PipelineConfig, group: int, *, readers: int = 1) -> Concat
   read it at once (see `Family.source`)."""
   g = cfg.groups[group]
   return ConcatSource([g.family.source(g, d, readers=readers,
-                                       row_group_cache_bytes=cfg.max_row_group_cache_bytes)
+                                       row_group_cache_bytes=cfg.max_row_group_cache_bytes,
+                                       max_image_bytes=cfg.max_image_bytes)
                        for d in g.datasets])
 
 

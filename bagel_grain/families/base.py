@@ -70,6 +70,8 @@ class FamilyTransform(grain.transforms.RandomMap, abc.ABC):
     """Encoded image bytes, decoded once and resized to each (transform, img_num)."""
     require(isinstance(data, (bytes, bytearray, memoryview)), DropReason.WRONG_TYPE,
             f"image is {type(data).__name__}, not bytes")
+    require(len(data) <= self.max_image_bytes, DropReason.FILE_TOO_LARGE,  # a converted record's
+            f"an image of {len(data)} bytes > max_image_bytes {self.max_image_bytes}")
     return decode_resized(bytes(data), targets, max_pixels_decode=self.max_decode_pixels,
                           jpeg_draft=self.jpeg_draft)
 
