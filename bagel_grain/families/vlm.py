@@ -70,6 +70,19 @@ def plan_turns(conversations, num_images: int) -> tuple[list[PlanItem], list[str
   return plan, texts
 
 
+def _located(files: FileStore, listed: list[Any]) -> list[str]:
+  """Each listed path located; a path listed many times is located (resolved) once."""
+  located: dict[str, str] = {}
+  out = []
+  for relative in listed:
+    if isinstance(relative, str) and relative in located:
+      out.append(located[relative])
+      continue
+    out.append(files.locate(relative))  # raises Drop for anything but a usable path
+    located[relative] = out[-1]
+  return out
+
+
 class VLMTransform(FamilyTransform):
   """BAGEL's SFT parsing: human text split on `<image>`, gpt turns carry the loss.
 
@@ -127,7 +140,7 @@ class VLMTransform(FamilyTransform):
             "conversations missing or not a list")
     images: list = []  # paths, or PIL images for frames of a video file
     if "image" in row:
-      images = [files.locate(p) for p in listed_images(row)]
+      images = _located(files, listed_images(row))
     elif "video" in row:
       images = self._video_frames(files, files.locate(row["video"]), rng)
       placeholder = "<image>" * len(images)
