@@ -113,12 +113,12 @@ class VLMTransform(FamilyTransform):
     except Drop:
       return []
     disk, paths = DiskFiles(self.data_dirs[record.dataset]), []
-    for relative in listed:
+    for relative in {p: None for p in listed if isinstance(p, str)}:  # each path once
       try:
         paths.append(disk.locate(relative))
       except Drop:
         pass  # refused again, and counted, when parsed
-    return list(dict.fromkeys(paths))  # a file the line names many times is read once
+    return list(dict.fromkeys(paths))  # names of one file: read once
 
   def _video_frames(self, files: FileStore, path: str, rng: np.random.Generator) -> list:
     """Frame paths of a frame folder, or decoded frames (PIL images) of a video file."""
