@@ -119,3 +119,16 @@ def test_t2i_rows_with_an_image_cell_over_max_image_bytes_are_dropped(demo_confi
     out = samples[i]
     assert isinstance(out, Dropped) and out.reason == "file_too_large"
     assert f"max_image_bytes {limit}" in out.detail
+
+
+def test_an_image_over_max_image_bytes_is_refused_before_decoding(demo_tokenizer, monkeypatch):
+  image = png((0, 0, 200))  # as a converted record carries it: bytes, whatever their size
+  t2i = T2ITransform(vae_transform=VAE_64, group=0, tokenizer=demo_tokenizer,
+                     max_decode_pixels=10**7, max_image_bytes=len(image) - 1)
+  calls = spy_decoders(monkeypatch)
+  out = t2i.random_map(make_record({"image": image, "captions": '{"a": "x"}'}),
+                       np.random.default_rng(0))
+  assert isinstance(out, Dropped) and out.reason == "file_too_large" and calls == []
+  t2i.max_image_bytes = len(image)
+  assert not isinstance(t2i.random_map(make_record({"image": image, "captions": '{"a": "x"}'}),
+                                       np.random.default_rng(0)), Dropped)
