@@ -44,6 +44,7 @@ class DropReason(enum.StrEnum):
   BAD_IMAGE = "bad_image"
   TOO_MANY_PIXELS = "too_many_pixels"
   TRUNCATED_IMAGE = "truncated_image"
+  TOO_MANY_JPEG_SCANS = "too_many_jpeg_scans"  # a progressive JPEG past images.MAX_JPEG_SCANS
   # The packer: the sample can never fit a row.
   OVER_MAX_TOKENS_PER_SAMPLE = "over_max_tokens_per_sample"
   OVER_ROW_CAPACITY_TOKENS = "over_row_capacity_tokens"
@@ -68,7 +69,7 @@ class Note(enum.StrEnum):
 
 RECORD_REASONS = frozenset({DropReason.UNREADABLE_FILE, DropReason.CORRUPT_RECORD})
 IMAGE_REASONS = frozenset({DropReason.BAD_IMAGE, DropReason.TOO_MANY_PIXELS,
-                           DropReason.TRUNCATED_IMAGE})
+                           DropReason.TRUNCATED_IMAGE, DropReason.TOO_MANY_JPEG_SCANS})
 FILE_REASONS = frozenset({DropReason.MISSING_FILE, DropReason.PATH_OUTSIDE_DATA_DIR,
                           DropReason.VIDEO_UNREADABLE, DropReason.NOT_A_REGULAR_FILE,
                           DropReason.FILE_TOO_LARGE})

@@ -91,7 +91,8 @@ def group_source(cfg: PipelineConfig, group: int, *, readers: int = 1) -> Concat
   read it at once (see `Family.source`)."""
   g = cfg.groups[group]
   return ConcatSource([g.family.source(g, d, readers=readers,
-                                       row_group_cache_bytes=cfg.max_row_group_cache_bytes)
+                                       row_group_cache_bytes=cfg.max_row_group_cache_bytes,
+                                       max_image_bytes=cfg.max_image_bytes)
                        for d in g.datasets])
 
 
@@ -116,7 +117,8 @@ def family_transform(cfg: PipelineConfig, group: int, tokenizer) -> FamilyTransf
   g = cfg.groups[group]
   common = dict(group=group, tokenizer=tokenizer, max_decode_pixels=cfg.max_decode_pixels,
                 max_text_chars=cfg.max_num_tokens_per_sample * tokenizer.longest_token_chars,
-                max_image_bytes=cfg.max_image_bytes, jpeg_draft=cfg.jpeg_draft)
+                max_image_bytes=cfg.max_image_bytes, jpeg_draft=cfg.jpeg_draft,
+                max_sample_tokens=cfg.max_num_tokens_per_sample)
   return g.family.make_transform(g, **common)
 
 

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from bagel_grain.drops import Dropped
+from bagel_grain.families.files import DiskFiles
 from bagel_grain.families.video import FrameSamplerArgs
 from bagel_grain.families.vlm import VLMTransform, embed_files
 from bagel_grain.images import ImageTransform, resize_size
@@ -18,7 +19,8 @@ from bagel_grain.sources import framing
 from bagel_grain.sources.jsonl import JsonlLineSource
 from bagel_grain.sources.records import ConcatSource, Record, ShuffledRecords
 from family_records import assert_same_outcome, shape
-from vlm_files import write_vlm_files
+from hostile_images import eps_bytes, install_fake_gs, spy_decoders
+from vlm_files import png, write_vlm_files
 
 VIT = ImageTransform(max_image_size=224, min_image_size=28, image_stride=14,
                      max_pixels=112 * 112)
@@ -231,3 +233,52 @@ def test_a_path_with_a_lone_surrogate_converts_and_drops_as_on_disk(data, transf
   framing.encode(record)  # no UnicodeEncodeError
   out = transform.random_map(Record(0, 0, "ar", 0, record), np.random.default_rng(0))
   assert isinstance(out, Dropped) and out.reason == "wrong_type"
+
+
+def test_vlm_eps_image_is_dropped_without_starting_a_process(vlm, data, tmp_path, monkeypatch):
+  (data / "drawing.png").write_bytes(eps_bytes())
+  log = install_fake_gs(tmp_path, monkeypatch)
+  out = vlm({"image": "drawing.png", "conversations": conversation("<image>", "A line.")})
+  assert isinstance(out, Dropped) and out.reason == "bad_image" and "EPS" in out.detail
+  assert not log.exists()
+
+
+def test_vlm_line_of_ten_thousand_images_is_dropped_undecoded(transform, tmp_path,
+                                                               monkeypatch):
+  calls = spy_decoders(monkeypatch)
+  reads = []
+  real_read = DiskFiles.read
+  monkeypatch.setattr(DiskFiles, "read", lambda self, path: reads.append(path)
+                      or real_read(self, path))
+  line = {"image": ["a.png"] * 10_000,
+          "conversations": conversation("<image>" * 10_000 + "Count them.", "Many.")}
+  path = tmp_path / "rows.jsonl"
+  path.write_text(json.dumps(line) + "\n")
+  record = ShuffledRecords(ConcatSource([JsonlLineSource(str(path))]), seed=0)[0]
+  transform.max_sample_tokens = 16384
+  out = transform.random_map(record, np.random.default_rng(0))
+  assert isinstance(out, Dropped) and out.reason == "over_max_tokens_per_sample"
+  assert calls == [] and reads == []
+  assert transform.files_ahead(record) == [str((tmp_path / "data" / "a.png").resolve())]
+
+
+def test_vlm_sample_size_from_headers_keeps_what_fits(vlm, data, transform, monkeypatch):
+  (data / "wide.png").write_bytes(png((0, 0, 90), (300, 100)))
+  line = {"image": ["a.png", "wide.png", "a.png"],
+          "conversations": conversation("<image>Compare <image> and <image>.", "Alike.")}
+  unbounded = vlm(line)
+  assert isinstance(unbounded, Sample)
+  assert unbounded.images[0] is unbounded.images[2]  # a file named twice is decoded once
+  size = unbounded.packed_size  # counted from the decoded, resized pixels
+  image_items = sum(item.type == "vit_image" for item in unbounded.plan)
+  text_tokens = sum(len(t) for t in unbounded.text_ids)
+  # Headers decide here: the line alone (one token per image) is far below the size.
+  assert text_tokens + image_items + 2 * len(unbounded.plan) < size - 1
+  transform.max_sample_tokens = size
+  fits = vlm(line)
+  assert isinstance(fits, Sample) and fits.packed_size == size
+  calls = spy_decoders(monkeypatch)
+  transform.max_sample_tokens = size - 1
+  out = vlm(line)
+  assert isinstance(out, Dropped) and out.reason == "over_max_tokens_per_sample"
+  assert calls == []

@@ -1,6 +1,7 @@
 """Parquet rows by row group: the footer index, row-group blocks, record ids, bad files."""
 
 import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 
 import lying_parquet
@@ -171,3 +172,36 @@ def test_an_index_claiming_more_rows_than_its_file_can_hold_is_refused(tmp_path)
                      r"a file of \d+ bytes") as e:
     dataset_catalog(str(tmp_path), None, ["id"])
   assert e.value.file == index
+
+
+def test_a_binary_cell_over_the_limit_drops_its_row_unread(tmp_path):
+  path = str(tmp_path / "cells.parquet")
+  big = b"\0" * 50_000  # compresses to almost nothing in the file
+  pq.write_table(pa.table({
+      "image": [b"small", big, b"tiny", None],
+      "image_list": [[b"a", b"b"], [b"c"], [b"d", big], []],
+      "captions": ["x" * 6000, "y", "z", "w"]}), path, compression="zstd", row_group_size=4)
+  source = ParquetRowSource([path], ["image", "image_list", "captions"], max_cell_bytes=1000)
+  assert source[0] == {"image": b"small", "image_list": [b"a", b"b"], "captions": "x" * 6000}
+  assert source[3]["image"] is None  # a null is not a large cell; a long string is not binary
+  for row, column in ((1, "image"), (2, "image_list")):
+    with pytest.raises(Drop) as e:
+      source[row]
+    assert e.value.reason == "file_too_large" and f"#{row}" in str(e.value)
+    assert column in str(e.value) and "50000 bytes" in str(e.value)
+  # The cached row group never held the large values.
+  assert source._cache.held_bytes < len(big)  # pylint: disable=protected-access
+  records = ShuffledRecords(ConcatSource([source]), seed=0)
+  errors = {r.record_id: r.error for r in (records[i] for i in range(4)) if r.error}
+  assert {k.rsplit("#")[1]: v.reason for k, v in errors.items()} == {
+      "1": "file_too_large", "2": "file_too_large"}
+
+
+def test_cells_at_the_limit_are_served(tmp_path):
+  path = str(tmp_path / "cells.parquet")
+  pq.write_table(pa.table({"image": [b"a" * 1000, b"b" * 1001]}), path)
+  served = ParquetRowSource([path], ["image"], max_cell_bytes=1000)
+  assert served[0]["image"] == b"a" * 1000
+  with pytest.raises(Drop):
+    served[1]
+  assert ParquetRowSource([path], ["image"])[1]["image"] == b"b" * 1001  # no limit given

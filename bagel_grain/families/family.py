@@ -68,9 +68,11 @@ class Family:
 
   def source(self, group: GroupConfig, dataset: DatasetSpec, *,
              readers: int = 1,
-             row_group_cache_bytes: int = DEFAULT_CACHE_BYTES) -> RecordSource:
+             row_group_cache_bytes: int = DEFAULT_CACHE_BYTES,
+             max_image_bytes: int | None = None) -> RecordSource:
     """The records one dataset of a group contributes, in source order; `readers`: the
-    logical shards reading it at once (parquet keeps a row group in hand for each)."""
+    logical shards reading it at once (parquet keeps a row group in hand for each);
+    `max_image_bytes`: a parquet row with a larger binary cell is dropped unread."""
     kind = self.record_format(dataset)
     if kind is RecordFormat.ARRAY_RECORD:  # converted: records of any family
       return ArrayRecordSource(array_record_files(dataset.array_record_path))
@@ -79,7 +81,7 @@ class Family:
                              shuffle_lines=group.shuffle_lines, shuffle_seed=group.shuffle_seed)
     return parquet_dataset(dataset.data_dir, dataset.num_used_data, self.columns,
                            dataset.parquet_info_path, readers=readers,
-                           cache_bytes=row_group_cache_bytes)
+                           cache_bytes=row_group_cache_bytes, max_cell_bytes=max_image_bytes)
 
   def make_transform(self, config: GroupConfig, /, **common: Any) -> FamilyTransform:
     """The group's transform; `common` holds what every family takes (`group` its index)."""

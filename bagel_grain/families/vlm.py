@@ -15,7 +15,7 @@ from bagel_grain.families.base import FamilyTransform, is_text
 from bagel_grain.families.family import Family
 from bagel_grain.families.files import DiskFiles, EmbeddedFiles, FileStore, is_folder
 from bagel_grain.families.video import FrameSamplerArgs
-from bagel_grain.images import ImageTransform, resize_image
+from bagel_grain.images import ImageTransform, image_size, resize_image, resize_size
 from bagel_grain.sample import PlanItem, Sample
 from bagel_grain.sources.framing import LineWithFiles
 from bagel_grain.sources.records import Record
@@ -70,6 +70,19 @@ def plan_turns(conversations, num_images: int) -> tuple[list[PlanItem], list[str
   return plan, texts
 
 
+def _located(files: FileStore, listed: list[Any]) -> list[str]:
+  """Each listed path located; a path listed many times is located (resolved) once."""
+  located: dict[str, str] = {}
+  out = []
+  for relative in listed:
+    if isinstance(relative, str) and relative in located:
+      out.append(located[relative])
+      continue
+    out.append(files.locate(relative))  # raises Drop for anything but a usable path
+    located[relative] = out[-1]
+  return out
+
+
 class VLMTransform(FamilyTransform):
   """BAGEL's SFT parsing: human text split on `<image>`, gpt turns carry the loss.
 
@@ -100,12 +113,12 @@ class VLMTransform(FamilyTransform):
     except Drop:
       return []
     disk, paths = DiskFiles(self.data_dirs[record.dataset]), []
-    for relative in listed:
+    for relative in {p: None for p in listed if isinstance(p, str)}:  # each path once
       try:
         paths.append(disk.locate(relative))
       except Drop:
         pass  # refused again, and counted, when parsed
-    return paths
+    return list(dict.fromkeys(paths))  # names of one file: read once
 
   def _video_frames(self, files: FileStore, path: str, rng: np.random.Generator) -> list:
     """Frame paths of a frame folder, or decoded frames (PIL images) of a video file."""
@@ -127,7 +140,7 @@ class VLMTransform(FamilyTransform):
             "conversations missing or not a list")
     images: list = []  # paths, or PIL images for frames of a video file
     if "image" in row:
-      images = [files.locate(p) for p in listed_images(row)]
+      images = _located(files, listed_images(row))
     elif "video" in row:
       images = self._video_frames(files, files.locate(row["video"]), rng)
       placeholder = "<image>" * len(images)
@@ -140,17 +153,52 @@ class VLMTransform(FamilyTransform):
     self.check_text_length(texts)
     used = sum(item.type == "vit_image" for item in plan)
     notes = (Note.UNUSED_IMAGES,) if used < len(images) else ()
-    pixels = []
+    text_ids = tuple(self.tokenize(texts))
+    text_tokens = sum(len(t) for t in text_ids)
+    # Every image is at least one token: the line alone may already be too large.
+    self.check_sample_tokens(text_tokens + used + 2 * len(plan), "at least ")
+    sizes, held = self._resized_sizes(files, images[:used], len(images))
+    stride = self.vit_transform.image_stride
+    self.check_sample_tokens(text_tokens + sum(w * h // stride**2 for w, h in sizes)
+                             + 2 * len(plan))
+    pixels, decoded = [], {}
     target = [(self.vit_transform, len(images))]
     for image in images[:used]:
-      if isinstance(image, str):
-        pixels.extend(self.load(files.read(image), target))
-      else:  # a frame decoded from a video file
+      if not isinstance(image, str):  # a frame decoded from a video file
         pixels.append(resize_image(image, self.vit_transform, len(images)))
-    text_ids = tuple(self.tokenize(texts))
-    num_tokens = sum(len(t) for t in text_ids) + sum(
-        self.image_tokens(p, self.vit_transform.image_stride) for p in pixels)
+      elif image in decoded:  # a file named again: the same pixels, decoded once
+        pixels.append(decoded[image])
+      else:
+        data = held.pop(image, None)
+        [decoded[image]] = self.load(files.read(image) if data is None else data, target)
+        pixels.append(decoded[image])
+    num_tokens = text_tokens + sum(self.image_tokens(p, stride) for p in pixels)
     return Sample(tuple(plan), text_ids, tuple(pixels), num_tokens, self.key(record), notes)
+
+  def _resized_sizes(self, files: FileStore, images: list, img_num: int
+                     ) -> tuple[list[tuple[int, int]], dict[str, bytes]]:
+    """Each image's (w, h) after the resize, from its header (no pixel decoded; a frame
+    decoded from a video file: its size), so the sample's size is known before decoding.
+
+    A file named many times is read once. The bytes read are handed back for the
+    decode while they total at most `max_image_bytes`; beyond that they are let go
+    and read again, so a line of many large files never holds them all.
+    """
+    sizes, by_path, held, held_bytes = [], {}, {}, 0
+    for image in images:
+      if not isinstance(image, str):
+        sizes.append(resize_size(*image.size, self.vit_transform, img_num))
+        continue
+      if image not in by_path:
+        data = files.read(image)
+        require(isinstance(data, (bytes, bytearray, memoryview)), DropReason.WRONG_TYPE,
+                f"image is {type(data).__name__}, not bytes")
+        w, h = image_size(bytes(data), max_pixels_decode=self.max_decode_pixels)
+        by_path[image] = resize_size(w, h, self.vit_transform, img_num)
+        if held_bytes + len(data) <= self.max_image_bytes:
+          held[image], held_bytes = data, held_bytes + len(data)
+      sizes.append(by_path[image])
+    return sizes, held
 
 
 class _Embedding:
@@ -242,4 +290,5 @@ FAMILY = Family(
     embed_files=embed_files,
     drop_reasons=RECORD_REASONS | IMAGE_REASONS | FILE_REASONS | {
         DropReason.BAD_JSON, DropReason.WRONG_TYPE, DropReason.BAD_TURN,
-        DropReason.NO_LOSS_ITEM, DropReason.TEXT_TOO_LONG})
+        DropReason.NO_LOSS_ITEM, DropReason.TEXT_TOO_LONG,
+        DropReason.OVER_MAX_TOKENS_PER_SAMPLE})
