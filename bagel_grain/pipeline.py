@@ -114,7 +114,8 @@ def family_transform(cfg: PipelineConfig, group: int, tokenizer) -> FamilyTransf
   g = cfg.groups[group]
   common = dict(group=group, tokenizer=tokenizer, max_decode_pixels=cfg.max_decode_pixels,
                 max_text_chars=cfg.max_num_tokens_per_sample * tokenizer.longest_token_chars,
-                max_image_bytes=cfg.max_image_bytes, jpeg_draft=cfg.jpeg_draft)
+                max_image_bytes=cfg.max_image_bytes, max_video_bytes=cfg.max_video_bytes,
+                max_video_frames=cfg.max_video_frames, jpeg_draft=cfg.jpeg_draft)
   return g.family.make_transform(g, **common)
 
 
@@ -192,9 +193,16 @@ def fingerprint(cfg: PipelineConfig, tokenizer, *, seed: int,
   """
   shaping = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)
              if f.name not in STREAM_NEUTRAL_FIELDS and f.name != "groups"}
-  groups = {g.name: _short_hash(dataclasses.asdict(g)) for g in cfg.groups}
+  groups = {g.name: _short_hash(_group_fields(g)) for g in cfg.groups}
   return {"config": {**shaping, "groups": groups}, "tokenizer": tokenizer.fingerprint(),
           "seed": int(seed), "logical_shards": int(shard_count)}
+
+
+def _group_fields(group) -> dict[str, Any]:
+  fields = dataclasses.asdict(group)
+  if fields["frame_sampler"]["sample"] == "rand":  # added later: its default hashes as before
+    del fields["frame_sampler"]["sample"]
+  return fields
 
 
 def _short_hash(value: Any) -> str:

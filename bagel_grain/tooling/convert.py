@@ -32,6 +32,7 @@ from array_record.python import array_record_module
 from bagel_grain import fs
 from bagel_grain.config import DatasetSpec, GroupConfig, PipelineConfig, load_config
 from bagel_grain.errors import DatasetError
+from bagel_grain.families.video import DEFAULT_MAX_VIDEO_BYTES
 from bagel_grain.sources import framing
 from bagel_grain.sources.array_record import SUFFIX
 from bagel_grain.sources.base import RecordSource
@@ -78,7 +79,7 @@ def _prepare_folder(folder: str, overwrite: bool) -> None:
 
 
 def _framed_records(group: GroupConfig, dataset: DatasetSpec, source: RecordSource, start: int,
-                    stop: int, pool: concurrent.futures.Executor):
+                    stop: int, pool: concurrent.futures.Executor, max_video_bytes: int):
   """The framed records `start:stop` of the source, in order, with their files embedded."""
   embed = group.family.embed_files
 
@@ -89,7 +90,7 @@ def _framed_records(group: GroupConfig, dataset: DatasetSpec, source: RecordSour
       raise DatasetError(f"cannot read record {source.record_id(index)}: {e}",
                          file=dataset.jsonl_path or dataset.data_dir) from None
     if embed is not None:
-      fields = embed(fields, dataset.data_dir)
+      fields = embed(fields, dataset.data_dir, max_video_bytes=max_video_bytes)
     try:
       return framing.encode(fields, origin=source.record_id(index))
     except TypeError as e:
@@ -108,9 +109,11 @@ def convert_dataset(group: GroupConfig, dataset: DatasetSpec, out_dir: str, *,
                     records_per_shard: int = DEFAULT_RECORDS_PER_SHARD,
                     writer_options: str = DEFAULT_WRITER_OPTIONS, overwrite: bool = False,
                     num_threads: int = 16,
-                    progress: Callable[[int, int], None] | None = None) -> list[str]:
+                    progress: Callable[[int, int], None] | None = None,
+                    max_video_bytes: int = DEFAULT_MAX_VIDEO_BYTES) -> list[str]:
   """Writes the records `group` reads from `dataset` as ArrayRecord shards in `out_dir`.
 
+  A video file over `max_video_bytes` is not read (the record notes `file_too_large`).
   Returns the shard paths. `progress(written, total)` is called after every record written.
   """
   if dataset.array_record_path is not None:
@@ -134,7 +137,8 @@ def convert_dataset(group: GroupConfig, dataset: DatasetSpec, out_dir: str, *,
       start, stop = shard * records_per_shard, min((shard + 1) * records_per_shard, total)
       writer = array_record_module.ArrayRecordWriter(partial, writer_options)
       try:
-        for record in _framed_records(group, dataset, source, start, stop, pool):
+        for record in _framed_records(group, dataset, source, start, stop, pool,
+                                      max_video_bytes):
           writer.write(record)
           written += 1
           if progress is not None:
@@ -170,7 +174,8 @@ def convert_config(cfg: PipelineConfig, out_dir: str | os.PathLike, *,
       try:
         files = convert_dataset(g, d, folder, records_per_shard=records_per_shard,
                                 writer_options=writer_options, overwrite=overwrite,
-                                num_threads=num_threads, progress=bar)
+                                num_threads=num_threads, progress=bar,
+                                max_video_bytes=cfg.max_video_bytes)
       finally:
         if bar is not None:
           bar.close()
