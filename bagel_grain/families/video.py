@@ -295,6 +295,52 @@ def _open(av, source: str | IO[bytes]):
   return av.open(source, "r", container_options={"format_whitelist": ALLOWED_DEMUXERS})
 
 
+class _OpenVideo:
+  """A video file opened for sampling: its container, its video stream and their index."""
+
+  def __init__(self, source: str | IO[bytes], max_pixels: int):
+    self.av = _pyav()
+    self.errors = _decode_errors(self.av)
+    self.source, self.max_pixels = source, max_pixels
+
+  def __enter__(self) -> _OpenVideo:
+    try:
+      self.container = _open(self.av, self.source)
+    except self.errors as e:
+      raise Drop(DropReason.VIDEO_UNREADABLE, f"{type(e).__name__}: {e}") from None
+    try:
+      require(self.container.streams.video, DropReason.VIDEO_UNREADABLE, "no video stream")
+      self.stream = self.container.streams.best("video")
+      width, height = self.stream.codec_context.width, self.stream.codec_context.height
+      require(width * height <= self.max_pixels, DropReason.TOO_MANY_PIXELS,
+              f"{width}x{height} frames > {self.max_pixels} pixels")
+      self.index = index_stream(self.container, self.stream)
+      require(len(self.index) >= 1, DropReason.VIDEO_UNREADABLE, "the video has no frames")
+    except BaseException as e:
+      self.__exit__(type(e), e, None)
+      if isinstance(e, self.errors):
+        raise Drop(DropReason.VIDEO_UNREADABLE, f"{type(e).__name__}: {e}") from None
+      raise
+    return self
+
+  def __exit__(self, *exc) -> None:
+    self.container.close()
+
+  def decode(self, positions: Sequence[int], max_frames: int) -> list:
+    """The frames at `positions` (RGB PIL images, one object per distinct position)."""
+    runs, cost = plan_decoding(self.index, positions)
+    require(cost <= max_frames, DropReason.TOO_MANY_VIDEO_FRAMES,
+            f"reaching the {len(runs)} wanted frames decodes {cost} frames (keyframes too far "
+            f"apart), more than max_video_frames = {max_frames}")
+    decoder = _Decoder(self.container, self.stream, self.index, max_frames=max_frames,
+                       max_pixels=self.max_pixels)
+    try:
+      images = {run.stop: decoder.run(run) for run in runs}
+    except self.errors as e:
+      raise Drop(DropReason.VIDEO_UNREADABLE, f"{type(e).__name__}: {e}") from None
+    return [images[i] for i in positions]
+
+
 def read_video_frames(source: str | IO[bytes], args: FrameSamplerArgs,
                       rng: np.random.Generator, *, max_frames: int = DEFAULT_MAX_VIDEO_FRAMES,
                       max_pixels: int = 89_478_485,
@@ -304,47 +350,30 @@ def read_video_frames(source: str | IO[bytes], args: FrameSamplerArgs,
 
   Frames are sampled as upstream samples a file (its packets counted, its average
   frame rate for `fpsX`); only those taken are decoded, each one once however often
-  it repeats. Bounds, checked before decoding: at most
-  `max_pixels` per frame, at most `max_frames` frames sampled or decoded.
+  it repeats. Bounds, checked before decoding: at most `max_pixels` per frame, at most
+  `max_frames` frames sampled or decoded.
   """
-  av = _pyav()
-  errors = _decode_errors(av)
-  try:
-    with _open(av, source) as container:
-      require(container.streams.video, DropReason.VIDEO_UNREADABLE, "no video stream")
-      stream = container.streams.best("video")
-      width, height = stream.codec_context.width, stream.codec_context.height
-      require(width * height <= max_pixels, DropReason.TOO_MANY_PIXELS,
-              f"{width}x{height} frames > {max_pixels} pixels")
-      index = index_stream(container, stream)
-      require(len(index) >= 1, DropReason.VIDEO_UNREADABLE, "the video has no frames")
-      t = draw_frame_count(args, rng)
-      indices = frame_indices(t, len(index), args, rng, input_fps=index.fps,
-                              max_frames=max_frames)
-      require(len(indices) <= max_frames, DropReason.TOO_MANY_VIDEO_FRAMES,
-              f"{len(indices)} frames sampled > max_video_frames = {max_frames}")
-      used = indices if take is None else indices[:take(len(indices))]
-      runs, cost = plan_decoding(index, used)
-      require(cost <= max_frames, DropReason.TOO_MANY_VIDEO_FRAMES,
-              f"reaching the {len(set(used))} sampled frames decodes {cost} frames "
-              f"(keyframes too far apart), more than max_video_frames = {max_frames}")
-      decoder = _Decoder(container, stream, index, max_frames=max_frames, max_pixels=max_pixels)
-      images = {run.stop: decoder.run(run) for run in runs}
-  except Drop:
-    raise
-  except errors as e:
-    raise Drop(DropReason.VIDEO_UNREADABLE, f"{type(e).__name__}: {e}") from None
-  return [images[i] for i in used], len(indices)
+  with _OpenVideo(source, max_pixels) as video:
+    t = draw_frame_count(args, rng)
+    indices = frame_indices(t, len(video.index), args, rng, input_fps=video.index.fps,
+                            max_frames=max_frames)
+    require(len(indices) <= max_frames, DropReason.TOO_MANY_VIDEO_FRAMES,
+            f"{len(indices)} frames sampled > max_video_frames = {max_frames}")
+    used = indices if take is None else indices[:take(len(indices))]
+    return video.decode(used, max_frames), len(indices)
+
+
+def decode_video_frames(source: str | IO[bytes], positions: Sequence[int], *,
+                        max_frames: int = DEFAULT_MAX_VIDEO_FRAMES,
+                        max_pixels: int = 89_478_485) -> list:
+  """The frames at `positions` (presentation order) of a video file, as RGB PIL images."""
+  with _OpenVideo(source, max_pixels) as video:
+    require(all(0 <= p < len(video.index) for p in positions), DropReason.VIDEO_UNREADABLE,
+            f"positions outside the {len(video.index)} frames")
+    return video.decode(positions, max_frames)
 
 
 def probe_video(source: str | IO[bytes]) -> VideoIndex:
   """The index of a video file (its frames, keyframes and rate), or Drop(video_unreadable)."""
-  av = _pyav()
-  try:
-    with _open(av, source) as container:
-      require(container.streams.video, DropReason.VIDEO_UNREADABLE, "no video stream")
-      return index_stream(container, container.streams.best("video"))
-  except Drop:
-    raise
-  except _decode_errors(av) as e:
-    raise Drop(DropReason.VIDEO_UNREADABLE, f"{type(e).__name__}: {e}") from None
+  with _OpenVideo(source, max_pixels=2**62) as video:
+    return video.index
