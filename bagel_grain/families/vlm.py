@@ -158,6 +158,7 @@ class VLMTransform(FamilyTransform):
       plan, texts = plan_video_turns(conversations, num_frames)
       require(any(item.loss for item in plan), DropReason.NO_LOSS_ITEM)
       self.check_text_length(texts)
+      notes = ("unused_images",) if len(frames) < num_frames else ()
       pixels = self._frame_pixels(files, frames, num_frames)
     else:
       plan, texts = plan_turns(conversations, 0)
