@@ -1,7 +1,7 @@
 """Video for VLM rows: upstream's frame sampler (`rand`, `middle`, `fpsX`) on frame folders and
 video files, and the decoding of only the frames a sample uses.
 
-The rules (docs/design.md, "Video"): a sample first draws a frame count `t` between
+The rules (docs/design.md, section 10): a sample first draws a frame count `t` between
 `min_num_frames` and `max_num_frames`, whatever the mode; `frame_indices` turns `t` and
 the video's length into frame positions. A video file is indexed by demuxing its packets
 (no decoding), as decord does when it opens a file: its length is its number of video
