@@ -5,9 +5,12 @@ Expected indices are upstream's rule worked by hand (the comments show the arith
 expected pixels come from decoding every frame from the start (`video_files.decode_all`).
 """
 
+import hashlib
 import io
+import json
 import struct
 from fractions import Fraction
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -342,3 +345,29 @@ def test_playlists_and_other_demuxers_are_refused(videos, tmp_path):
     (tmp_path / name).write_text(text)
     assert reason(video.read_video_frames, str(tmp_path / name), MIDDLE,
                   np.random.default_rng(0)) == DropReason.VIDEO_UNREADABLE
+
+
+# --- upstream's reader: decord's frames, recorded by tools/video_goldens.py ---------------
+
+GOLDEN = json.loads((Path(__file__).parent / "golden" / "video_frames.json").read_text())
+
+
+@pytest.mark.parametrize("golden", GOLDEN["videos"], ids=lambda g: g["spec"]["name"])
+def test_middle_frames_equal_decords(tmp_path, golden):
+  """Same file, same count, same rate and, at upstream's middle indices, the same RGB bytes."""
+  spec = VideoSpec(**{**golden["spec"], "size": tuple(golden["spec"]["size"])})
+  path = write_video(tmp_path, spec)
+  assert hashlib.sha256(path.read_bytes()).hexdigest() == golden["file_sha256"], (
+      "the encoder wrote other bytes than when the goldens were made: "
+      "run tools/video_goldens.py again")
+  t = golden["t"]
+  index = video.probe_video(str(path))
+  assert (len(index), index.fps) == (golden["decord_len"], golden["decord_avg_fps"])
+  images, count = video.read_video_frames(str(path), FrameSamplerArgs(t, t, "middle"),
+                                          np.random.default_rng(0))
+  assert count == t == len(golden["indices"])
+  assert video.frame_indices(t, len(index), MIDDLE, np.random.default_rng(0)) == \
+      golden["indices"]
+  got = [hashlib.sha256(np.ascontiguousarray(a).tobytes()).hexdigest() for a in pixels(images)]
+  assert got == golden["frame_sha256"]
+  assert list(np.asarray(images[0]).shape) == golden["frame_shape"]
