@@ -401,6 +401,21 @@ def test_a_video_over_max_video_bytes_is_never_opened(video_data, demo_tokenizer
       assert (out.reason if isinstance(out, Dropped) else None) == reason
 
 
+@pytest.mark.parametrize("name", ["h264_bframes.mp4", "vp9.webm", "short.mp4", "clip48/"])
+def test_a_converted_video_row_gives_the_disk_sample(video_data, demo_tokenizer, name):
+  transform = video_transform(video_data, demo_tokenizer, "rand", frames=4)
+  line = json.dumps({"video": name, "conversations": conversation("<video>", "It moves.")})
+  record = embed_files(line.encode(), str(video_data))
+  assert (set(record.files) == {name}) != name.endswith("/")  # a file, or the folder's frames
+  converted = framing.decode(framing.encode(record))[1]
+  for seed in range(3):
+    disk = transform.random_map(Record(0, 0, "disk", 0, line.encode()),
+                                np.random.default_rng(seed))
+    assert isinstance(disk, Sample) and len(disk.images) == 4
+    assert_same_outcome(disk, transform.random_map(Record(0, 0, "ar", 0, converted),
+                                                   np.random.default_rng(seed)))
+
+
 def test_a_2_gib_video_is_refused_unread_by_the_converter_and_the_reader(tmp_path, demo_dir,
                                                                        demo_tokenizer):
   """`bagel-grain convert` and back: a sparse 2 GiB file is never read (issue 19)."""
