@@ -17,7 +17,7 @@ from bagel_grain.config import load_config
 from bagel_grain.drops import Dropped
 from bagel_grain.families import video
 from bagel_grain.families.video import FrameSamplerArgs
-from bagel_grain.families.vlm import VLMTransform, embed_files
+from bagel_grain.families.vlm import VLMTransform, embed_files, plan_turns, plan_video_turns
 from bagel_grain.images import ImageTransform, resize_size
 from bagel_grain.sample import Sample
 from bagel_grain.sources import framing
@@ -356,6 +356,13 @@ def test_video_placeholders_follow_upstream(video_data, demo_tokenizer):
       "<video> and <video>", "Twice.")})
   assert shape(twice) == [("vit_image", 0, 0)] * 3 + [("text", 0, 0), ("text", 0, 1)]
   assert texts(twice, demo_tokenizer) == ["and", "Twice."]
+  # Many `<video>`s cost one expansion, with the plan upstream's full expansion gives.
+  for value in ("A <video> B <video> C", "<video>" * 10_000 + " Say.", "<video><video>x<video>"):
+    turns = conversation(value, "Ok.")
+    full = {**turns[0], "value": value.replace("<video>", "<image>" * 3)}
+    assert plan_video_turns(turns, 3) == plan_turns([full, *turns[1:]], 3)
+    assert plan_video_turns(turns, 0) == plan_turns(
+        [{**turns[0], "value": value.replace("<video>", "")}, *turns[1:]], 0)
   # A row with `image` and `video` uses `image`; a video that is not a path is a bad record.
   both = row_outcome(transform, {"image": "clip48/frame_1.jpg", **clip,
                                  "conversations": conversation("<image> <video>", "One.")})

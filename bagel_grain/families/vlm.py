@@ -182,10 +182,19 @@ def video_turn(turn: Any) -> dict:
 
 
 def plan_video_turns(conversations: list, num_frames: int) -> tuple[list[PlanItem], list[str]]:
-  """`plan_turns` once the first turn's `<video>` became `num_frames` `<image>` placeholders."""
+  """`plan_turns` once every `<video>` of the first turn became `num_frames` `<image>`s.
+
+  Only the first `<video>`'s placeholders can receive frames (the images run out
+  there), so each later one becomes a single, ignored `<image>`: the same plan, from a
+  string that grows by `num_frames` placeholders, not by that many per `<video>`.
+  """
   first = video_turn(conversations[0])
-  frames = {**first, "value": first["value"].replace("<video>", "<image>" * num_frames)}
-  return plan_turns([frames, *conversations[1:]], num_frames)
+  head, *rest = first["value"].split("<video>")
+  if num_frames == 0:  # every `<video>` vanishes; the turn may end up without `<image>`
+    value = "".join([head, *rest])
+  else:
+    value = head + "<image>" * num_frames + "<image>".join(rest)
+  return plan_turns([{**first, "value": value}, *conversations[1:]], num_frames)
 
 
 class _Embedding:
