@@ -6,6 +6,7 @@ give the same verdict.
 
 import dataclasses
 import json
+import os
 import resource
 
 import numpy as np
@@ -406,6 +407,18 @@ def test_a_video_over_max_video_bytes_is_never_opened(video_data, demo_tokenizer
     for record in (Record(0, 0, "disk", 0, line), Record(0, 0, "ar", 0, converted)):
       out = transform.random_map(record, np.random.default_rng(0))
       assert (out.reason if isinstance(out, Dropped) else None) == reason
+
+
+def test_a_video_that_is_not_a_regular_file_is_never_opened(video_data, demo_tokenizer):
+  os.mkfifo(video_data / "fifo.mp4")  # opening it would wait for a writer forever
+  (video_data / "folder.mp4").mkdir()
+  transform = video_transform(video_data, demo_tokenizer)
+  for name in ("fifo.mp4", "folder.mp4"):
+    row = {"video": name, "conversations": conversation("<video>", "?")}
+    out = row_outcome(transform, row)
+    assert isinstance(out, Dropped) and out.reason == "not_a_regular_file"
+    record = embed_files(json.dumps(row).encode(), str(video_data))
+    assert record.file_errors == {name: "not_a_regular_file"} and not record.files
 
 
 @pytest.mark.parametrize("name", ["h264_bframes.mp4", "vp9.webm", "short.mp4", "clip48/"])

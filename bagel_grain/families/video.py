@@ -311,6 +311,9 @@ class _OpenVideo:
     try:
       require(self.container.streams.video, DropReason.VIDEO_UNREADABLE, "no video stream")
       self.stream = self.container.streams.best("video")
+      # One decoding thread, as upstream's decord reader: a worker process is the unit of
+      # parallelism, and FFmpeg's automatic count would start a thread per core in each.
+      self.stream.codec_context.thread_count = 1
       width, height = self.stream.codec_context.width, self.stream.codec_context.height
       require(width * height <= self.max_pixels, DropReason.TOO_MANY_PIXELS,
               f"{width}x{height} frames > {self.max_pixels} pixels")
