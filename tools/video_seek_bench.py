@@ -105,6 +105,9 @@ def main() -> None:
     print(f"clip: {args.seconds} s {args.size} H.264 at {args.rate} fps, {len(index)} frames, "
           f"{len(index.keys)} keyframes, {path.stat().st_size / 2**20:.1f} MiB "
           f"(written in {took:.0f} s)")
+    index_times = [timed(lambda: video.probe_video(str(path)))[0] for _ in range(5)]
+    print(f"index pass alone (open + demux every packet, no decoding): median "
+          f"{statistics.median(index_times):.3f} s")
     sampler = video.FrameSamplerArgs(args.frames, args.frames, "rand")
     samples, ours, baseline, decoded = [], [], [], []
     for seed in range(args.samples):
