@@ -36,7 +36,7 @@ _MODES = ("rand", "middle")
 
 
 def check_sample_mode(sample: Any) -> str:
-  """`sample` if it is upstream's `rand`, `middle` or `fpsX` (X a positive number), else ValueError."""
+  """`sample` if it is upstream's `rand`, `middle` or `fpsX` (X > 0), else ValueError."""
   if sample in _MODES:
     return sample
   if isinstance(sample, str) and sample.startswith("fps"):
