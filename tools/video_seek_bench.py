@@ -78,6 +78,13 @@ def decode_up_to_last(path: Path, indices: list[int]) -> list:
   return [images[i] for i in indices]
 
 
+def run_decord(python: str, path: Path, indices: list[int]) -> float:
+  """decord's time for one sample (open + get_batch), measured in its own process."""
+  out = subprocess.run([python, "-c", DECORD_SCRIPT, str(path), json.dumps([indices])],
+                       capture_output=True, text=True, check=True)
+  return json.loads(out.stdout.strip().splitlines()[-1])[0]
+
+
 def timed(call) -> tuple[float, object]:
   start = time.perf_counter()
   result = call()
@@ -94,13 +101,17 @@ def main() -> None:
   parser.add_argument("--samples", type=int, default=10)
   parser.add_argument("--decord-python", help="a Python that can import decord (optional)")
   parser.add_argument("--json", help="write the results here")
+  parser.add_argument("--clip", help="the clip to write, or to reuse when it exists "
+                      "(default: a temporary file)")
   args = parser.parse_args()
   print("uptime:", subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip())
   print(f"cpus: {os.cpu_count()}")
   size = tuple(int(v) for v in args.size.split("x"))
   with tempfile.TemporaryDirectory() as tmp:
-    path = Path(tmp) / "clip.mp4"
-    took, _ = timed(lambda: write_clip(path, args.seconds, size, args.rate, args.keyint))
+    path = Path(args.clip) if args.clip else Path(tmp) / "clip.mp4"
+    took = 0.0
+    if not path.exists():
+      took, _ = timed(lambda: write_clip(path, args.seconds, size, args.rate, args.keyint))
     index = video.probe_video(str(path))
     print(f"clip: {args.seconds} s {args.size} H.264 at {args.rate} fps, {len(index)} frames, "
           f"{len(index.keys)} keyframes, {path.stat().st_size / 2**20:.1f} MiB "
@@ -109,7 +120,7 @@ def main() -> None:
     print(f"index pass alone (open + demux every packet, no decoding): median "
           f"{statistics.median(index_times):.3f} s")
     sampler = video.FrameSamplerArgs(args.frames, args.frames, "rand")
-    samples, ours, baseline, decoded = [], [], [], []
+    samples, ours, baseline, decoded, decord_times = [], [], [], [], []
     for seed in range(args.samples):
       rng = np.random.default_rng(seed)
       indices = video.frame_indices(video.draw_frame_count(sampler, rng), len(index), sampler,
@@ -121,15 +132,13 @@ def main() -> None:
       assert all(np.array_equal(np.asarray(a), np.asarray(b)) for a, b in zip(images, reference))
       ours.append(t_ours)
       baseline.append(t_base)
+      if args.decord_python:  # interleaved with ours, so a busy machine slows all alike
+        decord_times.append(run_decord(args.decord_python, path, indices))
       decoded.append(video.plan_decoding(index, indices)[1])
       print(f"  sample {seed}: last frame {max(indices)}, ours {t_ours:.3f} s "
             f"({decoded[-1]} frames decoded), decode-up-to-last {t_base:.3f} s "
-            f"({max(indices) + 1} frames)")
-    decord_times = None
-    if args.decord_python:
-      out = subprocess.run([args.decord_python, "-c", DECORD_SCRIPT, str(path),
-                            json.dumps(samples)], capture_output=True, text=True, check=True)
-      decord_times = json.loads(out.stdout.strip().splitlines()[-1])
+            f"({max(indices) + 1} frames)"
+            + (f", decord {decord_times[-1]:.3f} s" if decord_times else ""))
   rows = [("ours (seek to the keyframe before each frame)", ours),
           ("decode every frame up to the last wanted", baseline)]
   if decord_times:
