@@ -6,7 +6,7 @@
 
 Each sample draws 8 frames with upstream's `rand` rule (seeded) and reads them from a
 fresh open of the file, as a sample does: our time includes opening and indexing the
-packets, decord's its own indexing. The clip is written first with PyAV (libx264,
+packets, decord's its own indexing. All three decode on one thread. The clip is written first with PyAV (libx264,
 30 fps, x264's default keyframe interval of 250 frames, B-frames). Not a test: timings
 depend on the machine; run it on a quiet one (`uptime` is printed first).
 """
@@ -70,6 +70,7 @@ def decode_up_to_last(path: Path, indices: list[int]) -> list:
   """The baseline: decode from the start, every frame, until the last wanted one."""
   wanted, images = set(indices), {}
   with av.open(str(path)) as container:
+    container.streams.video[0].codec_context.thread_count = 1  # as ours and decord's
     for i, frame in enumerate(container.decode(video=0)):
       if i in wanted:
         images[i] = frame.to_image()
