@@ -6,9 +6,10 @@
 
 Each sample draws 8 frames with upstream's `rand` rule (seeded) and reads them from a
 fresh open of the file, as a sample does: our time includes opening and indexing the
-packets, decord's its own indexing. All three decode on one thread. The clip is written first with PyAV (libx264,
-30 fps, x264's default keyframe interval of 250 frames, B-frames). Not a test: timings
-depend on the machine; run it on a quiet one (`uptime` is printed first).
+packets, decord's its own indexing. All three decode on one thread. The clip is written
+first with PyAV (libx264, 30 fps, x264's default keyframe interval of 250 frames,
+B-frames). Not a test: timings depend on the machine; run it on a quiet one (`uptime`
+is printed before and after).
 """
 
 from __future__ import annotations
