@@ -32,6 +32,8 @@ beam-install: $(BEAM_STAMP)
 
 demo: .demo_data/.complete
 	$(VENV)/bin/bagel-grain demo --data .demo_data
+	@echo "--- the demo's video rows (an H.264 file and a frame folder), packed alone:"
+	$(VENV)/bin/bagel-grain demo --config .demo_data/video_demo.yaml --batches 8
 
 $(VENV)/.bench-installed: $(STAMP)
 	$(PY) -m pip install -q -c constraints.txt -e '.[test,bench]'

@@ -34,12 +34,15 @@ class DropReason(enum.StrEnum):
   BAD_CAPTION = "bad_caption"
   BAD_EDIT_LISTS = "bad_edit_lists"
   TEXT_TOO_LONG = "text_too_long"  # more characters than any sample can hold, never tokenized
+  NO_VIDEO_PLACEHOLDER = "no_video_placeholder"  # a `video` row whose first turn lacks `<video>`
   # A file the record references could not be reached.
   MISSING_FILE = "missing_file"
   PATH_OUTSIDE_DATA_DIR = "path_outside_data_dir"
   VIDEO_UNREADABLE = "video_unreadable"
   NOT_A_REGULAR_FILE = "not_a_regular_file"  # a FIFO, device or socket: never opened
-  FILE_TOO_LARGE = "file_too_large"  # an image file over `max_image_bytes`: never read
+  FILE_TOO_LARGE = "file_too_large"  # over `max_image_bytes` / `max_video_bytes`: never read
+  # A video sample needs more frames sampled or decoded than `max_video_frames`.
+  TOO_MANY_VIDEO_FRAMES = "too_many_video_frames"
   # An image could not become pixels.
   BAD_IMAGE = "bad_image"
   TOO_MANY_PIXELS = "too_many_pixels"
@@ -73,6 +76,7 @@ IMAGE_REASONS = frozenset({DropReason.BAD_IMAGE, DropReason.TOO_MANY_PIXELS,
 FILE_REASONS = frozenset({DropReason.MISSING_FILE, DropReason.PATH_OUTSIDE_DATA_DIR,
                           DropReason.VIDEO_UNREADABLE, DropReason.NOT_A_REGULAR_FILE,
                           DropReason.FILE_TOO_LARGE})
+VIDEO_REASONS = frozenset({DropReason.NO_VIDEO_PLACEHOLDER, DropReason.TOO_MANY_VIDEO_FRAMES})
 
 
 @dataclasses.dataclass(frozen=True)

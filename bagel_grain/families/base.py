@@ -9,6 +9,7 @@ import grain
 import numpy as np
 
 from bagel_grain.drops import Drop, Dropped, DropReason, require
+from bagel_grain.families.video import DEFAULT_MAX_VIDEO_BYTES, DEFAULT_MAX_VIDEO_FRAMES
 from bagel_grain.images import DEFAULT_MAX_IMAGE_BYTES, ImageTransform, decode_resized
 from bagel_grain.sample import Sample, SampleKey
 from bagel_grain.sources.records import Record
@@ -36,13 +37,17 @@ class FamilyTransform(grain.transforms.RandomMap, abc.ABC):
 
   def __init__(self, *, group: int, tokenizer, max_decode_pixels: int,
                max_text_chars: int | None = None, max_image_bytes: int = DEFAULT_MAX_IMAGE_BYTES,
-               jpeg_draft: bool = False, max_sample_tokens: int | None = None):
+               max_video_bytes: int = DEFAULT_MAX_VIDEO_BYTES,
+               max_video_frames: int = DEFAULT_MAX_VIDEO_FRAMES, jpeg_draft: bool = False,
+               max_sample_tokens: int | None = None):
     self.group = group
     self.tokenizer = tokenizer
     self.max_decode_pixels = max_decode_pixels
     self.max_text_chars = max_text_chars
     self.max_sample_tokens = max_sample_tokens  # `max_num_tokens_per_sample`; None: unchecked
     self.max_image_bytes = max_image_bytes
+    self.max_video_bytes = max_video_bytes  # for families with video: a larger file is not opened
+    self.max_video_frames = max_video_frames  # frames sampled or decoded for one video sample
     self.jpeg_draft = jpeg_draft
 
   @abc.abstractmethod

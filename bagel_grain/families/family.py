@@ -43,7 +43,8 @@ class Family:
   - `columns`: the parquet columns a record is read from; None for JSONL lines,
     whose datasets then need `jsonl_path`.
   - `embed_files`: the converter's step for a record whose files lie beside it,
-    `(record, data_dir) -> record with its files`; None when a record is whole.
+    `(record, data_dir, *, max_video_bytes) -> record with its files`; None when a
+    record is whole.
   - `drop_reasons`: every reason a record of the family may be dropped for before
     packing (a source's reasons included).
   """

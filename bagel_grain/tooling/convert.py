@@ -35,6 +35,7 @@ from array_record.python import array_record_module
 from bagel_grain import fs
 from bagel_grain.config import DatasetSpec, GroupConfig, PipelineConfig, load_config
 from bagel_grain.errors import DatasetError
+from bagel_grain.families.video import DEFAULT_MAX_VIDEO_BYTES
 from bagel_grain.sources import framing
 from bagel_grain.sources.array_record import SUFFIX
 from bagel_grain.sources.base import RecordSource
@@ -129,7 +130,7 @@ def shard_source(cfg: PipelineConfig, task: ShardTask) -> tuple[RecordSource, in
 
 
 def _framed_records(group: GroupConfig, dataset: DatasetSpec, source: RecordSource, start: int,
-                    stop: int, pool: concurrent.futures.Executor):
+                    stop: int, pool: concurrent.futures.Executor, max_video_bytes: int):
   """The framed records `start:stop` of the source, in order, with their files embedded."""
   embed = group.family.embed_files
 
@@ -140,7 +141,7 @@ def _framed_records(group: GroupConfig, dataset: DatasetSpec, source: RecordSour
       raise DatasetError(f"cannot read record {source.record_id(index)}: {e}",
                          file=dataset.jsonl_path or dataset.data_dir) from None
     if embed is not None:
-      fields = embed(fields, dataset.data_dir)
+      fields = embed(fields, dataset.data_dir, max_video_bytes=max_video_bytes)
     try:
       return framing.encode(fields, origin=source.record_id(index))
     except TypeError as e:
@@ -174,7 +175,8 @@ def write_shard(cfg: PipelineConfig, task: ShardTask, source: RecordSource, firs
   try:
     writer = array_record_module.ArrayRecordWriter(local, writer_options)
     try:
-      for record in _framed_records(g, d, source, first, first + task.stop - task.start, pool):
+      for record in _framed_records(g, d, source, first, first + task.stop - task.start, pool,
+                                    cfg.max_video_bytes):
         writer.write(record)
         written += 1
         if progress is not None:
