@@ -58,7 +58,11 @@ HOSTILE_LINES = (  # VLM lines a hostile user writes, each once per epoch
     json.dumps({"image": "images/soak_garbage.png", "conversations": [
         {"from": "human", "value": "<image>" + BIG_TEXT}, {"from": "gpt", "value": "?"}]}),
 )
-MAX_IMAGE_BYTES = 128 << 20  # the config's default: soak_huge.png is one byte more
+# The soak's `max_image_bytes` (soak_huge.png and the parquet cell are one byte more):
+# a quarter of the default, because Arrow's read of a cell just over it costs about three
+# times the cell (docs/images.md), so at 128 MiB that one read lifts a process past the
+# soak's 1 GiB bound whatever the pipeline does.
+MAX_IMAGE_BYTES = 32 << 20
 
 
 def _hostile_files(images: Path) -> None:
