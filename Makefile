@@ -3,8 +3,12 @@ PYTHON ?= python3.11
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
+# Apache Beam's own venv: Beam caps pillow, pyarrow and protobuf below the loader's pins
+# (constraints.txt), so `index/convert/audit --runner` and tests/beam run there.
+BEAM_VENV := .venv-beam
+BEAM_STAMP := $(BEAM_VENV)/.installed
 
-.PHONY: demo test install bench clean
+.PHONY: demo test install beam-install bench clean
 
 $(STAMP): pyproject.toml constraints.txt
 	@command -v $(PYTHON) >/dev/null 2>&1 || { echo "need $(PYTHON) on PATH (set PYTHON=...)"; exit 1; }
@@ -13,13 +17,23 @@ $(STAMP): pyproject.toml constraints.txt
 	$(PY) -m pip install -q -c constraints.txt -e '.[test]'
 	touch $(STAMP)
 
+$(BEAM_STAMP): pyproject.toml constraints-beam.txt
+	test -x $(BEAM_VENV)/bin/python || $(PYTHON) -m venv $(BEAM_VENV)
+	$(BEAM_VENV)/bin/python -m pip install -q --upgrade pip
+	$(BEAM_VENV)/bin/python -m pip install -q -c constraints-beam.txt -e '.[beam,test]'
+	touch $(BEAM_STAMP)
+
 install: $(STAMP)
+
+beam-install: $(BEAM_STAMP)
 
 .demo_data/.complete: $(STAMP)
 	$(VENV)/bin/bagel-grain make-sample-data .demo_data
 
 demo: .demo_data/.complete
 	$(VENV)/bin/bagel-grain demo --data .demo_data
+	@echo "--- the demo's video rows (an H.264 file and a frame folder), packed alone:"
+	$(VENV)/bin/bagel-grain demo --config .demo_data/video_demo.yaml --batches 8
 
 $(VENV)/.bench-installed: $(STAMP)
 	$(PY) -m pip install -q -c constraints.txt -e '.[test,bench]'
@@ -33,8 +47,11 @@ bench: .bench_data/.complete
 	$(VENV)/bin/bagel-grain bench --data .bench_data --workers 0 1 2 \
 	  --seconds 40 --json out/bench.json --plot out/bench.png
 
-test: $(STAMP)
+# The main suite does not collect tests/beam (pyproject's pytest options); the Beam venv
+# runs it after.
+test: $(STAMP) $(BEAM_STAMP)
 	$(PY) -m pytest -x -n auto tests
+	$(BEAM_VENV)/bin/python -m pytest -x -p no:cacheprovider tests/beam
 
 clean:
-	rm -rf $(VENV) .demo_data .bench_data out
+	rm -rf $(VENV) $(BEAM_VENV) .demo_data .bench_data out

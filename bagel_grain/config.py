@@ -20,7 +20,8 @@ from bagel_grain.config_yaml import load_yaml_file, shown
 from bagel_grain.errors import ConfigError
 from bagel_grain.families.family import Family
 from bagel_grain.families.registry import FAMILIES
-from bagel_grain.families.video import FrameSamplerArgs
+from bagel_grain.families.video import DEFAULT_MAX_VIDEO_BYTES, DEFAULT_MAX_VIDEO_FRAMES
+from bagel_grain.families.video import FrameSamplerArgs, check_sample_mode
 from bagel_grain.images import DEFAULT_MAX_IMAGE_BYTES, DEFAULT_MAX_PIXELS, ImageTransform
 from bagel_grain.sources.parquet import DEFAULT_CACHE_BYTES
 
@@ -114,6 +115,8 @@ class PipelineConfig:
   # Bad-input limits (README: bad input). None of them changes which good records are packed.
   max_decode_pixels: int = 89_478_485  # Pillow's own default limit
   max_image_bytes: int = DEFAULT_MAX_IMAGE_BYTES  # a larger image file is never read
+  max_video_bytes: int = DEFAULT_MAX_VIDEO_BYTES  # a larger video file is never opened
+  max_video_frames: int = DEFAULT_MAX_VIDEO_FRAMES  # frames sampled or decoded per video sample
   max_row_group_cache_bytes: int = DEFAULT_CACHE_BYTES  # decoded row groups, per parquet dataset
   element_timeout_s: float = 300.0  # one element at most, then the stream stops
   # Transient storage failures are retried this long per element, then next() raises
@@ -149,7 +152,7 @@ _PACKING_FIELDS = {f.name for f in dataclasses.fields(PipelineConfig)} - {"group
 STREAM_NEUTRAL_FIELDS = frozenset({
     "tokenizer_path", "num_workers", "batch_size", "use_flex", "max_consecutive_drops",
     "bad_record_window", "max_bad_ratio", "max_image_bytes", "max_row_group_cache_bytes",
-    "element_timeout_s", "storage_timeout_s"})
+    "element_timeout_s", "storage_timeout_s", "max_video_bytes", "max_video_frames"})
 # The allowed range of each numeric top-level field, bounds included (None: unbounded).
 _RANGES: dict[str, tuple[float | None, float | None]] = {
     "expected_num_tokens": (1, None), "max_num_tokens": (1, None),
@@ -162,7 +165,7 @@ _RANGES: dict[str, tuple[float | None, float | None]] = {
     "vae_token_capacity": (1, None), "vae_image_capacity": (1, None),
     "split_capacity": (1, None), "num_workers": (0, None), "num_epochs": (1, None),
     "batch_size": (1, None), "logical_shards": (1, None), "max_decode_pixels": (1, None),
-    "max_image_bytes": (1, None),
+    "max_image_bytes": (1, None), "max_video_bytes": (1, None), "max_video_frames": (1, None),
     "max_row_group_cache_bytes": (0, None), "max_consecutive_drops": (1, None),
     "bad_record_window": (1, None), "max_bad_ratio": (0, 1), "element_timeout_s": (0.001, None),
     "storage_timeout_s": (0.001, None),
@@ -324,11 +327,15 @@ def _group(name: str, raw: Any, info: Mapping, info_dir: str, info_file: str,
     args = raw["frame_sampler_args"]
     if not isinstance(args, Mapping):
       raise ConfigError("must be a mapping", file=file, group=name, key="frame_sampler_args")
-    _check_keys(args, {"max_num_frames", "min_num_frames"}, file=file, group=name,
+    _check_keys(args, {"max_num_frames", "min_num_frames", "sample"}, file=file, group=name,
                 where="frame_sampler_args")
-    kwargs["frame_sampler"] = FrameSamplerArgs(**{
-        k: _number(v, int, file=file, group=name, key=f"frame_sampler_args.{k}")
-        for k, v in args.items()})
+    counts = {k: _number(v, int, file=file, group=name, key=f"frame_sampler_args.{k}")
+              for k, v in args.items() if k != "sample"}
+    try:
+      sample = check_sample_mode(args.get("sample", "rand"))
+    except ValueError as e:
+      raise ConfigError(str(e), file=file, group=name, key="frame_sampler_args.sample") from None
+    kwargs["frame_sampler"] = FrameSamplerArgs(**counts, sample=sample)
     frames = kwargs["frame_sampler"]
     if not 1 <= frames.min_num_frames <= frames.max_num_frames:
       raise ConfigError(f"need 1 <= min_num_frames <= max_num_frames, got {frames.min_num_frames}"

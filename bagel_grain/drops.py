@@ -34,19 +34,23 @@ class DropReason(enum.StrEnum):
   BAD_CAPTION = "bad_caption"
   BAD_EDIT_LISTS = "bad_edit_lists"
   TEXT_TOO_LONG = "text_too_long"  # more characters than any sample can hold, never tokenized
+  NO_VIDEO_PLACEHOLDER = "no_video_placeholder"  # a `video` row whose first turn lacks `<video>`
   # A file the record references could not be reached.
   MISSING_FILE = "missing_file"
   PATH_OUTSIDE_DATA_DIR = "path_outside_data_dir"
   VIDEO_UNREADABLE = "video_unreadable"
   NOT_A_REGULAR_FILE = "not_a_regular_file"  # a FIFO, device or socket: never opened
-  FILE_TOO_LARGE = "file_too_large"  # an image file over `max_image_bytes`: never read
+  FILE_TOO_LARGE = "file_too_large"  # over `max_image_bytes` / `max_video_bytes`: never read
   # There, but storage refused it for good (access denied, a local I/O error); never a
   # network failure, which is retried (`bagel_grain.storage`).
   FILE_NOT_READABLE = "file_not_readable"
+  # A video sample needs more frames sampled or decoded than `max_video_frames`.
+  TOO_MANY_VIDEO_FRAMES = "too_many_video_frames"
   # An image could not become pixels.
   BAD_IMAGE = "bad_image"
   TOO_MANY_PIXELS = "too_many_pixels"
   TRUNCATED_IMAGE = "truncated_image"
+  TOO_MANY_JPEG_SCANS = "too_many_jpeg_scans"  # a progressive JPEG past images.MAX_JPEG_SCANS
   # The packer: the sample can never fit a row.
   OVER_MAX_TOKENS_PER_SAMPLE = "over_max_tokens_per_sample"
   OVER_ROW_CAPACITY_TOKENS = "over_row_capacity_tokens"
@@ -71,10 +75,11 @@ class Note(enum.StrEnum):
 
 RECORD_REASONS = frozenset({DropReason.UNREADABLE_FILE, DropReason.CORRUPT_RECORD})
 IMAGE_REASONS = frozenset({DropReason.BAD_IMAGE, DropReason.TOO_MANY_PIXELS,
-                           DropReason.TRUNCATED_IMAGE})
+                           DropReason.TRUNCATED_IMAGE, DropReason.TOO_MANY_JPEG_SCANS})
 FILE_REASONS = frozenset({DropReason.MISSING_FILE, DropReason.PATH_OUTSIDE_DATA_DIR,
                           DropReason.VIDEO_UNREADABLE, DropReason.NOT_A_REGULAR_FILE,
                           DropReason.FILE_TOO_LARGE, DropReason.FILE_NOT_READABLE})
+VIDEO_REASONS = frozenset({DropReason.NO_VIDEO_PLACEHOLDER, DropReason.TOO_MANY_VIDEO_FRAMES})
 
 
 @dataclasses.dataclass(frozen=True)

@@ -120,8 +120,13 @@ def is_dir(path: str) -> bool:
 
 def kind(path: str) -> str:
   """"file" (a regular file), "folder", "missing", or "special file" (FIFO, device, socket)."""
+  return kind_of(file_info(path))
+
+
+def kind_of(info: pafs.FileInfo) -> str:
+  """`kind` of a path whose `file_info` is at hand (one request less on an object store)."""
   return {pafs.FileType.File: "file", pafs.FileType.Directory: "folder",
-          pafs.FileType.NotFound: "missing"}.get(file_info(path).type, "special file")
+          pafs.FileType.NotFound: "missing"}.get(info.type, "special file")
 
 
 def file_info(path: str) -> pafs.FileInfo:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import io
+import re
 import struct
 import warnings
 from typing import Sequence
@@ -16,6 +17,19 @@ from bagel_grain.drops import IMAGE_REASONS, Drop, DropReason
 
 DEFAULT_MAX_PIXELS = 14 * 14 * 9 * 1024
 DEFAULT_MAX_IMAGE_BYTES = 128 << 20  # an image file larger than this is not read
+
+# The only formats an image may be opened as (docs/images.md): those image datasets
+# hold, whose plugins read a header only when opening and never start a process.
+# EPS (Ghostscript), ICO/CUR (decodes its PNG while opening) and every other plugin
+# are refused before any byte of them is interpreted. MPO (a phone's multi-picture
+# JPEG) comes through the JPEG plugin.
+ALLOWED_FORMATS = ("JPEG", "PNG", "WEBP", "GIF", "BMP", "TIFF")
+# A progressive JPEG decodes every scan over the whole image: its cost is scans x pixels.
+# Real encoders write 1 (baseline) to about 10-20 scans (libjpeg's progressive script: 10
+# for colour); nvImageCodec refuses more than 256 by default for the same attack
+# (libjpeg-turbo's `-maxscans` / TJPARAM_SCANLIMIT): at most 256 full passes.
+MAX_JPEG_SCANS = 256
+_TIFF_JPEG = ("jpeg", "tiff_jpeg")  # JPEG inside TIFF strips: libtiff decodes, scans unseen
 
 
 class ImageError(Drop):
@@ -193,18 +207,103 @@ def _image_errors():
     if "truncated" in msg.lower():  # Pillow: "image file is truncated", "Truncated File Read"
       raise ImageError(DropReason.TRUNCATED_IMAGE, msg) from e
     raise ImageError(DropReason.BAD_IMAGE, msg) from e
-  except (ValueError, SyntaxError, struct.error, EOFError, IndexError, TypeError,
-          MemoryError, ZeroDivisionError, KeyError) as e:
+  except Exception as e:  # pylint: disable=broad-except
+    # Any other failure inside a decoder is this record's, not the stream's.
     raise ImageError(DropReason.BAD_IMAGE, f"{type(e).__name__}: {e}") from e
 
 
+def _refused_format(data: bytes) -> str:
+  """The name of a known but refused format `data` starts like, for the drop's detail."""
+  Image.init()
+  prefix = data[:16]
+  for name, (_, accept) in Image.OPEN.items():
+    if name not in ALLOWED_FORMATS and accept is not None:
+      try:
+        if accept(prefix) is True:
+          return name
+      except Exception:  # pylint: disable=broad-except
+        continue
+  return ""
+
+
+# A marker inside entropy-coded data: 0xFF then neither a stuffed 0x00, a restart marker
+# (RST0-7 stay inside a scan) nor a fill byte (0xFF, the next one starts the marker).
+_JPEG_NEXT_MARKER = re.compile(rb"\xff[\x01-\xcf\xd8-\xfe]")
+_JPEG_NO_LENGTH = frozenset({0x01, *range(0xD0, 0xD9)})  # TEM, RSTn, SOI: no segment
+
+
+def count_jpeg_scans(data: bytes, limit: int = MAX_JPEG_SCANS) -> int:
+  """Start-of-scan markers of the first image of a JPEG stream, as libjpeg meets them.
+
+  Walks the segments by their lengths (an SOS inside an APPn thumbnail is not
+  counted), and over each scan's entropy-coded data to the next marker; stops at
+  EOI, at the end of the data, or once past `limit`. Bytes between segments are
+  skipped to the next 0xFF, as libjpeg does. No pixel is decoded: one pass over
+  the bytes, most of it a C regex search.
+  """
+  scans, pos, end = 0, 2, len(data)  # after SOI
+  while pos + 1 < end and scans <= limit:
+    if data[pos] != 0xFF:
+      pos = data.find(b"\xff", pos)
+      if pos < 0:
+        break
+      continue
+    marker = data[pos + 1]
+    if marker == 0xFF or marker in _JPEG_NO_LENGTH or marker == 0x00:
+      pos += 1 if marker == 0xFF else 2
+      continue
+    if marker == 0xD9:  # EOI
+      break
+    if pos + 4 > end:
+      break
+    segment_end = pos + 2 + int.from_bytes(data[pos + 2:pos + 4], "big")
+    if marker != 0xDA:
+      pos = segment_end
+      continue
+    scans += 1
+    found = _JPEG_NEXT_MARKER.search(data, segment_end)
+    if found is None:
+      break
+    pos = found.start()
+  return scans
+
+
+def _check_decode_cost(img: Image.Image, data: bytes) -> None:
+  """Refuses, before any decoding, what would cost more than its pixels: a JPEG of more
+  than MAX_JPEG_SCANS scans, a TIFF whose strips are JPEG (their scans are not counted)."""
+  if img.format in ("JPEG", "MPO"):
+    scans = count_jpeg_scans(data)
+    if scans > MAX_JPEG_SCANS:
+      raise ImageError(DropReason.TOO_MANY_JPEG_SCANS,
+                       f"more than {MAX_JPEG_SCANS} scans (each decodes the whole image)")
+  elif img.format == "TIFF" and img.info.get("compression") in _TIFF_JPEG:
+    raise ImageError(DropReason.BAD_IMAGE, "a JPEG-compressed TIFF is not decoded: its JPEG "
+                     "scans cannot be counted before decoding; store it as JPEG or PNG")
+
+
 def _open_checked(data: bytes, max_pixels_decode: int) -> Image.Image:
-  """Opens lazily (header only) and refuses a header over the pixel cap before decoding."""
-  img = Image.open(io.BytesIO(data))
+  """Opens lazily (header only) as one of ALLOWED_FORMATS, and refuses a header over the
+  pixel cap, or a decode that would cost more than its pixels, before decoding."""
+  try:
+    img = Image.open(io.BytesIO(data), formats=ALLOWED_FORMATS)
+  except Image.UnidentifiedImageError as e:
+    refused = _refused_format(data)
+    if refused:
+      raise ImageError(DropReason.BAD_IMAGE, f"{refused} is not an allowed image format "
+                       f"({', '.join(ALLOWED_FORMATS)}); convert it") from e
+    raise
   w, h = img.size
   if w * h > max_pixels_decode:
     raise ImageError(DropReason.TOO_MANY_PIXELS, f"{w}x{h} > {max_pixels_decode} pixels")
+  _check_decode_cost(img, data)
   return img
+
+
+def image_size(data: bytes, *, max_pixels_decode: int) -> tuple[int, int]:
+  """(width, height) from the header, with every check `decode_image` makes before
+  decoding (the same ImageError); no pixel is decoded."""
+  with _image_errors():
+    return _open_checked(data, max_pixels_decode).size
 
 
 def decode_image(data: bytes, *, max_pixels_decode: int) -> Image.Image:

@@ -91,7 +91,8 @@ def group_source(cfg: PipelineConfig, group: int, *, readers: int = 1) -> Concat
   read it at once (see `Family.source`)."""
   g = cfg.groups[group]
   return ConcatSource([g.family.source(g, d, readers=readers,
-                                       row_group_cache_bytes=cfg.max_row_group_cache_bytes)
+                                       row_group_cache_bytes=cfg.max_row_group_cache_bytes,
+                                       max_image_bytes=cfg.max_image_bytes)
                        for d in g.datasets], names=[d.name for d in g.datasets],
                       roots=[dataset_roots(d) for d in g.datasets])
 
@@ -117,7 +118,9 @@ def family_transform(cfg: PipelineConfig, group: int, tokenizer) -> FamilyTransf
   g = cfg.groups[group]
   common = dict(group=group, tokenizer=tokenizer, max_decode_pixels=cfg.max_decode_pixels,
                 max_text_chars=cfg.max_num_tokens_per_sample * tokenizer.longest_token_chars,
-                max_image_bytes=cfg.max_image_bytes, jpeg_draft=cfg.jpeg_draft)
+                max_image_bytes=cfg.max_image_bytes, max_video_bytes=cfg.max_video_bytes,
+                max_video_frames=cfg.max_video_frames, jpeg_draft=cfg.jpeg_draft,
+                max_sample_tokens=cfg.max_num_tokens_per_sample)
   return g.family.make_transform(g, **common)
 
 
@@ -212,12 +215,11 @@ def _shaping(cfg: PipelineConfig) -> dict[str, Any]:
 
 
 def _group_fingerprint(group: GroupConfig) -> dict[str, Any]:
-  rest = {k: v for k, v in dataclasses.asdict(group).items()
+  rest = {k: v for k, v in _group_fields(group).items()
           if k not in ("name", "weight", "is_mandatory", "datasets")}
   return {"weight": group.weight, "is_mandatory": group.is_mandatory,
-          "datasets": [[d.name, d.num_used_data,
-                        "array_record" if d.array_record_path else
-                        "jsonl" if d.jsonl_path else "parquet"] for d in group.datasets],
+          "datasets": [[d.name, d.num_used_data, str(group.family.record_format(d))]
+                       for d in group.datasets],
           "options": _short_hash(rest)}
 
 
@@ -225,9 +227,17 @@ def legacy_fingerprint(cfg: PipelineConfig, tokenizer, *, seed: int,
                        shard_count: int) -> dict[str, Any]:
   """The fingerprint state versions 1 and 2 wrote: each group one hash of its config (paths
   included), no data."""
-  groups = {g.name: _short_hash(dataclasses.asdict(g)) for g in cfg.groups}
+  groups = {g.name: _short_hash(_group_fields(g)) for g in cfg.groups}
   return {"config": {**_shaping(cfg), "groups": groups}, "tokenizer": tokenizer.fingerprint(),
           "seed": int(seed), "logical_shards": int(shard_count)}
+
+
+def _group_fields(group: GroupConfig) -> dict[str, Any]:
+  """A group's config as its fingerprint hashes it."""
+  fields = dataclasses.asdict(group)
+  if fields["frame_sampler"]["sample"] == "rand":  # added later: its default hashes as before
+    del fields["frame_sampler"]["sample"]
+  return fields
 
 
 def _config_defaults() -> dict[str, Any]:
@@ -240,7 +250,7 @@ def _config_defaults() -> dict[str, Any]:
 def stream_identity(cfg: PipelineConfig, tokenizer, *, seed: int, shard_count: int,
                     sources: Sequence[ConcatSource]) -> StreamIdentity:
   """What a saved state must match (see `StreamIdentity`), with each dataset's manifest."""
-  manifests = {g.name: {d.name: dataset_manifest(d, part)
+  manifests = {g.name: {d.name: dataset_manifest(d, g.family.record_format(d), part)
                         for d, part in zip(g.datasets, source.sources)}
                for g, source in zip(cfg.groups, sources)}
   return StreamIdentity(

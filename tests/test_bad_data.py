@@ -179,6 +179,7 @@ def _vlm(corpus: Corpus, demo_dir: Path, tokenizer) -> None:
   (images / "truncated.jpg").write_bytes(TRUNCATED_JPEG)
   os.symlink(outside / "sentinel.png", images / "link.png")
   (videos / "empty").mkdir()
+  (videos / "junk.mp4").write_bytes(GARBAGE)
   (videos / "corrupt").mkdir()
   (videos / "mixed").mkdir()
   for n in range(1, 5):
@@ -223,7 +224,10 @@ def _vlm(corpus: Corpus, demo_dir: Path, tokenizer) -> None:
       ("no_loss_item", line(conversations=[{"from": "human", "value": "Hello?"},
                                            {"from": "human", "value": "Anyone?"}])),
       ("over_max_tokens_per_sample", line(conversations=_turns("Describe it.", long_answer))),
-      ("video_unreadable", line(video="videos/empty/", conversations=_turns("<video>\nWhat?"))),
+      ("good", line(video="videos/empty/", conversations=_turns("<video>\nWhat?"))),  # text
+      ("video_unreadable", line(video="videos/junk.mp4", conversations=_turns("<video>\nWhat?"))),
+      ("no_video_placeholder", line(video="videos/empty/",
+                                    conversations=_turns("What happens?", "<video>"))),
       ("bad_image", line(video="videos/corrupt/", conversations=_turns("<video>\nWhat?"))),
       ("missing_file", line(video="videos/nope/", conversations=_turns("<video>\nWhat?"))),
   ]
@@ -322,7 +326,7 @@ def test_one_epoch_counts_every_injected_record_under_its_reason(corpus, demo_di
   assert set(stats["drops_by_reason"]) == {
       "bad_image", "too_many_pixels", "truncated_image", "missing_file", "path_outside_data_dir",
       "bad_json", "wrong_type", "bad_caption", "bad_edit_lists", "bad_turn", "no_loss_item",
-      "over_max_tokens_per_sample", "video_unreadable"}
+      "over_max_tokens_per_sample", "video_unreadable", "no_video_placeholder"}
 
 
 def test_corpus_with_workers_gives_the_same_counts_and_rows(corpus, demo_dir, demo_tokenizer):

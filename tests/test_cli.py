@@ -204,3 +204,37 @@ def test_the_default_config_is_found_from_any_directory(install, demo_dir, tmp_p
   where = subprocess.run([sys.executable, "-c", "import bagel_grain; print(bagel_grain.__file__)"],
                          cwd=elsewhere, env=env, capture_output=True, text=True, check=True)
   assert Path(where.stdout.strip()).is_relative_to(site)
+
+
+def test_runner_without_beam_names_the_beam_venv(demo_yaml, tmp_path, monkeypatch, capsys):
+  monkeypatch.setitem(sys.modules, "apache_beam", None)  # as in the loader's venv: no Beam
+  out = tmp_path / "out"
+  for argv in (["index", str(demo_yaml)],
+               ["audit", "--config", str(demo_yaml), "--out", str(out / "audit")],
+               ["convert", "--config", str(demo_yaml), "--out", str(out)]):
+    assert cli.main([*argv, "--runner", "DirectRunner"]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and ".venv-beam" in err and "bagel_grain[beam]" in err
+  assert not out.exists()  # refused before anything was written
+
+
+def test_beam_options_pass_only_with_a_runner(capsys):
+  with pytest.raises(SystemExit) as exit_info:
+    cli.main(["index", "c.yaml", "--direct_num_workers", "2"])
+  assert exit_info.value.code == 2
+  assert "unrecognized arguments: --direct_num_workers 2 (Beam's options need --runner)" in \
+      capsys.readouterr().err
+
+
+def test_fresh_sample_data_gives_a_quiet_demo(tmp_path):
+  """`make demo` on a fresh clone: make-sample-data writes the index, the demo warns nothing."""
+  env = {**os.environ, "PYTHONPATH": str(ROOT)}
+  run = [sys.executable, "-m", "bagel_grain.tooling.cli"]
+  made = subprocess.run([*run, "make-sample-data", str(tmp_path / "d")], env=env,
+                        capture_output=True, text=True, timeout=120, check=True)
+  assert "sidecar index" in made.stdout and made.stderr == ""
+  assert (tmp_path / "d" / "t2i" / ".bagel_index.arrow").exists()
+  demo = subprocess.run([*run, "demo", "--data", str(tmp_path / "d"), "--batches", "2",
+                         "--workers", "0"], env=env, capture_output=True, text=True,
+                        timeout=300, check=True)
+  assert "WARNING" not in demo.stderr and "no sidecar index" not in demo.stderr

@@ -121,6 +121,19 @@ def test_minimal_config_is_valid(root):
   assert cfg.max_latent_size == 32 and cfg.max_num_patch_per_side == 70  # upstream defaults
 
 
+def test_frame_sampler_takes_upstreams_modes(root):
+  raw = minimal()
+  vlm = raw["grouped_datasets"]["vlm_sft"]
+  cfg = config_from_dict(raw, file="main.yaml", base_dir=str(root))
+  assert cfg.group("vlm_sft").frame_sampler.sample == "rand"  # upstream's default
+  assert cfg.max_video_bytes == 1 << 30 and cfg.max_video_frames == 4096
+  for sample in ("rand", "middle", "fps0.5", "fps2"):
+    vlm["frame_sampler_args"] = {"max_num_frames": 6, "min_num_frames": 6, "sample": sample}
+    frames = config_from_dict(raw, file="main.yaml", base_dir=str(root)).group(
+        "vlm_sft").frame_sampler
+    assert (frames.sample, frames.min_num_frames, frames.max_num_frames) == (sample, 6, 6)
+
+
 def _set(raw, dotted, value):
   *parents, last = dotted.split(".")
   for key in parents:
@@ -171,6 +184,15 @@ ERRORS = {
                           + _where("vlm_sft", "frame_sampler_args")),
   "zero_frames": (f"{VLM}.frame_sampler_args", {"max_num_frames": 0, "min_num_frames": 0},
                   _where("vlm_sft", "frame_sampler_args")),
+  "unknown_sample_mode": (f"{VLM}.frame_sampler_args", {"sample": "uniform"},
+                          "'rand', 'middle' or 'fpsX'.*got 'uniform'.*"
+                          + _where("vlm_sft", "frame_sampler_args.sample")),
+  "fps_zero": (f"{VLM}.frame_sampler_args", {"sample": "fps0"},
+               _where("vlm_sft", "frame_sampler_args.sample")),
+  "unknown_frame_key": (f"{VLM}.frame_sampler_args", {"fps": 2},
+                        _where("vlm_sft", "fps")),
+  "video_bytes_zero": ("max_video_bytes", 0, _where(None, "max_video_bytes")),
+  "video_frames_zero": ("max_video_frames", 0, _where(None, "max_video_frames")),
   "per_sample_over_max": ("max_num_tokens_per_sample", 40000,
                           "exceeds max_num_tokens 36864.*"
                           + _where(None, "max_num_tokens_per_sample")),

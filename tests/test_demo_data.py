@@ -167,3 +167,40 @@ def test_vlm_images_decode_with_every_mode(root):
       kinds.add(_kind(img))
   assert {m for _, m, _ in kinds} == {"RGB", "L", "RGBA", "P"}
   assert ("PNG", "P", True) in kinds and ("PNG", "P", False) in kinds
+
+
+def test_video_demo_has_a_video_file_and_a_frame_folder(root):
+  import av  # a plain dependency: the demo writes and reads H.264
+
+  rows = [json.loads(line) for line in (root / "video" / "video.jsonl").read_text().splitlines()]
+  videos = {row["video"] for row in rows}
+  assert videos == {"clips/clip.mp4", "frames/clip/"}
+  with av.open(str(root / "video" / "clips" / "clip.mp4")) as container:
+    stream = container.streams.video[0]
+    assert stream.codec_context.name == "h264" and stream.frames == demo_data.VIDEO_DEMO_FILE_FRAMES
+    keys = [p.is_keyframe for p in container.demux(stream) if p.size]
+    assert sum(keys) == demo_data.VIDEO_DEMO_FILE_FRAMES // 12  # several places to seek to
+  frames = sorted(p.name for p in (root / "video" / "frames" / "clip").iterdir())
+  assert len(frames) == demo_data.VIDEO_DEMO_FOLDER_FRAMES
+  info = yaml.safe_load((root / "dataset_info.yaml").read_text())
+  assert set(info["vlm_sft"]) == {"demo_vlm", "demo_video"}
+  assert info["vlm_sft"]["demo_video"]["num_total_samples"] == len(rows)
+
+
+def test_video_demo_config_packs_both_videos(root):
+  """What `make demo` runs second: every row packed, frames from the file and the folder."""
+  from bagel_grain.config import load_config
+  from bagel_grain.pipeline import build_pipeline, pipeline_stats
+  from bagel_grain.tokenizer import load_tokenizer
+
+  cfg = load_config(root / demo_data.VIDEO_DEMO_CONFIG)
+  assert cfg.group("vlm_sft").frame_sampler.sample == "middle"
+  tokenizer = load_tokenizer(root / "tokenizer" / "tokenizer.json")
+  records = set()
+  with iter(build_pipeline(cfg, tokenizer, batch_size=1, workers=0)) as it:
+    for _ in range(4):
+      batch = next(it)
+      assert batch["num_vit_tokens"].sum() > 0
+      records.update(k[3].rsplit(":", 1)[1] for row in batch["sample_keys"] for k in row)
+    stats = pipeline_stats(it)
+  assert records == {"1", "2", "3", "4"} and not stats["drops_by_reason"]

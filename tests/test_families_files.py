@@ -48,21 +48,25 @@ def test_disk_reads_and_refuses_what_is_not_there(data):
   disk = DiskFiles(str(data))
   assert disk.read(disk.locate("a.png")) == (data / "a.png").read_bytes()
   assert reason(disk.read, disk.locate("nope.png")) == DropReason.MISSING_FILE
-  assert disk.open_video(disk.locate("a.png")) == str(data / "a.png")
-  assert reason(disk.open_video, disk.locate("nope.mp4")) == DropReason.MISSING_FILE
+  size = (data / "a.png").stat().st_size
+  assert disk.open_video(disk.locate("a.png"), size) == str(data / "a.png")
+  assert reason(disk.open_video, disk.locate("a.png"), size - 1) == DropReason.FILE_TOO_LARGE
+  assert reason(disk.open_video, disk.locate("nope.mp4"), size) == DropReason.MISSING_FILE
 
 
 def test_disk_frames_come_in_frame_number_order(data):
+  # Every entry is a frame (upstream's rule); one without `_N.jpg` sorts first, as -1.
   (data / "clip" / "notes.txt").write_text("not a frame")
   frames = DiskFiles(str(data)).list_frames(str(data / "clip") + "/")
-  assert [os.path.basename(f) for f in frames] == [f"frame_{n}.jpg" for n in range(1, 11)]
+  assert [os.path.basename(f) for f in frames] == ["notes.txt"] + [
+      f"frame_{n}.jpg" for n in range(1, 11)]
 
 
-def test_a_missing_empty_or_escaping_frame_folder_is_dropped(data, tmp_path):
+def test_a_missing_or_escaping_frame_folder_is_dropped(data, tmp_path):
   disk = DiskFiles(str(data))
   assert reason(disk.list_frames, str(data / "gone") + "/") == DropReason.MISSING_FILE
   (data / "empty").mkdir()
-  assert reason(disk.list_frames, str(data / "empty") + "/") == DropReason.VIDEO_UNREADABLE
+  assert disk.list_frames(str(data / "empty") + "/") == []  # no frames: the sample is text
   (data / "clip" / "frame_11.jpg").symlink_to(tmp_path / "outside.png")
   assert reason(disk.list_frames, str(data / "clip") + "/") == DropReason.PATH_OUTSIDE_DATA_DIR
 
@@ -82,9 +86,10 @@ def test_embedded_files_answer_from_the_record_only():
   assert files.list_frames("clip/") == ["clip/frame_2.jpg", "clip/frame_3.jpg",
                                         "clip/frame_10.jpg"]
   assert reason(files.read, "clip/frame_3.jpg") == DropReason.MISSING_FILE
-  assert reason(files.list_frames, "other/") == DropReason.VIDEO_UNREADABLE
-  assert files.open_video("v.mp4").read() == b"video"
-  assert reason(files.open_video, "nope.mp4") == DropReason.MISSING_FILE
+  assert files.list_frames("other/") == []
+  assert files.open_video("v.mp4", 5).read() == b"video"
+  assert reason(files.open_video, "v.mp4", 4) == DropReason.FILE_TOO_LARGE  # same bound
+  assert reason(files.open_video, "nope.mp4", 5) == DropReason.MISSING_FILE
 
 
 def test_the_converter_embeds_what_the_disk_store_reads(data):

@@ -52,6 +52,7 @@ def test_both_processes_resume_identically_after_restore(worker_results):
     assert r["after_restore"] == r["after_save"]
     assert r["restored_w_local"] == r["saved_w_local"] and r["restored_step"] == 1
     assert [f for f in r["state_files"] if f.endswith(".json")] == [
+        "data_manifest.json",  # process 0's: the files each dataset held
         "shard_state_0-of-2.json", "shard_state_1-of-2.json"]  # one JSON per logical shard
   # ... and the resumed batches are new ones, not the batch before the checkpoint.
   assert worker_results[0]["after_save"][0]["keys"] != worker_results[0]["first"]["keys"]

@@ -5,10 +5,16 @@ import json
 import pytest
 
 from bagel_grain.errors import StateMismatchError
-from bagel_grain.packing.state import STATE_VERSION, opened, sealed
+from bagel_grain.packing.state import STATE_VERSION, StreamIdentity, sealed
+from bagel_grain.packing.state import opened as opened_with
 from packer_samples import batched, groups_of
 
 FINGERPRINT = {"config": "abc", "seed": 1}
+
+
+def opened(state, fingerprint):
+  """The stages' part of `state`, for a stream of this fingerprint."""
+  return opened_with(state, StreamIdentity(fingerprint))
 
 
 def test_sealed_then_opened_gives_the_stages_state_back():
@@ -140,6 +146,6 @@ def test_more_buffered_keys_than_the_buffer_holds_are_refused_before_any_is_made
 def test_fingerprints_compare_field_by_field():
   ours = {"config": {"max_buffer_size": 16, "groups": {"vlm_sft": "aa"}}, "seed": 1}
   saved = {"config": {"max_buffer_size": 8, "groups": {"vlm_sft": "bb"}}, "seed": 1}
-  with pytest.raises(StateMismatchError, match=r"config.groups.vlm_sft: saved 'bb', now 'aa'; "
+  with pytest.raises(StateMismatchError, match=r"grouped_datasets.vlm_sft: saved 'bb', now 'aa'; "
                                                r"config.max_buffer_size: saved 8, now 16\)"):
     opened(sealed({}, saved), ours)

@@ -1,6 +1,8 @@
 """Parquet rows by row group: the footer index, row-group blocks, record ids, bad files."""
 
+import numpy as np
 import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 
 import lying_parquet
@@ -160,14 +162,45 @@ def test_a_rewritten_file_becomes_drops_in_the_stream_not_an_error(files):
 
 def test_an_index_claiming_more_rows_than_its_file_can_hold_is_refused(tmp_path):
   path = write_parquet(tmp_path / "a.parquet", [["a", "b", "c", "d"]])
-  index = sidecar.write_parquet_index(str(tmp_path))
-  with pa.OSFile(index) as f:
-    table = pa.ipc.open_file(f).read_all()
-  rows = pa.array([[10**9]], pa.list_(pa.int64()))
-  table = table.set_column(table.schema.get_field_index("row_group_rows"), "row_group_rows", rows)
-  with pa.OSFile(index, "wb") as out, pa.ipc.new_file(out, table.schema) as writer:
-    writer.write_table(table)
+  # An index whose checksum holds (written by a writer that believed a lying footer).
+  files = sidecar.list_parquet_files(str(tmp_path))
+  lying = sidecar.ParquetFileFacts(["id"], np.array([10**9]))
+  index = tmp_path / sidecar.PARQUET_INDEX
+  index.write_bytes(sidecar.parquet_index_bytes(files, [lying]))
   with pytest.raises(DatasetError, match=f"the sidecar index says 1000000000 rows for {path}, "
                      r"a file of \d+ bytes") as e:
     dataset_catalog(str(tmp_path), None, ["id"])
-  assert e.value.file == index
+  assert e.value.file == str(index)
+
+
+def test_a_binary_cell_over_the_limit_drops_its_row_unread(tmp_path):
+  path = str(tmp_path / "cells.parquet")
+  big = b"\0" * 50_000  # compresses to almost nothing in the file
+  pq.write_table(pa.table({
+      "image": [b"small", big, b"tiny", None],
+      "image_list": [[b"a", b"b"], [b"c"], [b"d", big], []],
+      "captions": ["x" * 6000, "y", "z", "w"]}), path, compression="zstd", row_group_size=4)
+  source = ParquetRowSource([path], ["image", "image_list", "captions"], max_cell_bytes=1000)
+  assert source[0] == {"image": b"small", "image_list": [b"a", b"b"], "captions": "x" * 6000}
+  assert source[3]["image"] is None  # a null is not a large cell; a long string is not binary
+  for row, column in ((1, "image"), (2, "image_list")):
+    with pytest.raises(Drop) as e:
+      source[row]
+    assert e.value.reason == "file_too_large" and f"#{row}" in str(e.value)
+    assert column in str(e.value) and "50000 bytes" in str(e.value)
+  # The cached row group never held the large values.
+  assert source._cache.held_bytes < len(big)  # pylint: disable=protected-access
+  records = ShuffledRecords(ConcatSource([source]), seed=0)
+  errors = {r.record_id: r.error for r in (records[i] for i in range(4)) if r.error}
+  assert {k.rsplit("#")[1]: v.reason for k, v in errors.items()} == {
+      "1": "file_too_large", "2": "file_too_large"}
+
+
+def test_cells_at_the_limit_are_served(tmp_path):
+  path = str(tmp_path / "cells.parquet")
+  pq.write_table(pa.table({"image": [b"a" * 1000, b"b" * 1001]}), path)
+  served = ParquetRowSource([path], ["image"], max_cell_bytes=1000)
+  assert served[0]["image"] == b"a" * 1000
+  with pytest.raises(Drop):
+    served[1]
+  assert ParquetRowSource([path], ["image"])[1]["image"] == b"b" * 1001  # no limit given

@@ -82,17 +82,35 @@ def test_a_shard_holds_sixteen_bytes_a_line_of_its_own_lines_only(tmp_path):
   assert sum(a.itemsize for a in arrays) == 16
 
 
-def test_jsonl_without_index_warns_and_with_a_stale_one_is_refused(tmp_path, caplog):
+def test_jsonl_without_index_warns_once_past_the_threshold_and_a_stale_one_is_refused(
+    tmp_path, caplog, monkeypatch):
   path = _jsonl(tmp_path)
   with caplog.at_level(logging.WARNING):
     JsonlLineSource(path)
-  assert "no sidecar index" in caplog.text
+  assert caplog.text == ""  # 50 lines: scanning them costs nothing worth a warning
+  monkeypatch.setattr(sidecar, "WARN_LINES", 50)
+  with caplog.at_level(logging.WARNING):
+    JsonlLineSource(path)
+    JsonlLineSource(path)
+  assert caplog.text.count("no sidecar index") == 1 and "its 50 lines" in caplog.text
   sidecar.write_jsonl_index(path)
   with open(path, "ab") as f:
     f.write(b'{"n": 50}\n')
   with pytest.raises(DatasetError, match="changed since the index was written") as e:
     JsonlLineSource(path)
   assert e.value.file.endswith(".bagel_index.json")
+
+
+def test_parquet_without_index_warns_once_past_the_threshold(tmp_path, caplog, monkeypatch):
+  folder = _parquet_dir(tmp_path)
+  with caplog.at_level(logging.WARNING):
+    dataset_source(folder, None, ["id"])
+  assert caplog.text == ""
+  monkeypatch.setattr(sidecar, "WARN_FILES", 4)
+  with caplog.at_level(logging.WARNING):
+    dataset_source(folder, None, ["id"])
+    dataset_source(folder, None, ["id"])
+  assert caplog.text.count("no sidecar index") == 1 and "4 parquet files" in caplog.text
 
 
 def _parquet_dir(tmp_path, files=4):
@@ -193,3 +211,68 @@ def _demo_yaml(data) -> str:
   raw["dataset_info"] = str(data / "dataset_info.yaml")
   raw["tokenizer_path"] = str(data / "tokenizer")
   return yaml.safe_dump(raw)
+
+
+# -- integrity: every sidecar file is checked before its values are used --------------
+
+
+def _zero_npy_values(path) -> None:
+  """Overwrites an .npy file's values with zeros, keeping its header and length."""
+  header_end = len(np.lib.format.magic(1, 0)) + 2
+  data = bytearray(open(path, "rb").read())
+  header_end += int.from_bytes(data[8:10], "little")
+  data[header_end:] = bytes(len(data) - header_end)
+  open(path, "wb").write(bytes(data))
+
+
+@pytest.mark.parametrize("damaged", ["shuffle", "lines"])
+@pytest.mark.parametrize("process_index, process_count", [(0, 1), (1, 3)])
+def test_a_zeroed_sidecar_array_is_refused_naming_it(tmp_path, damaged, process_index,
+                                                      process_count):
+  path = _jsonl(tmp_path, 90)
+  sidecar.write_jsonl_index(path, [3])
+  target = sidecar.shuffle_path(path, 3) if damaged == "shuffle" else path + ".bagel_lines.npy"
+  _zero_npy_values(target)
+  with pytest.raises(DatasetError, match="checksum") as e:
+    source = JsonlLineSource(path, shuffle_lines=True, shuffle_seed=3)
+    _records(source, shard_index=process_index, shard_count=process_count)
+  assert e.value.file == target
+
+
+def test_an_index_without_checksums_is_refused_with_the_command_to_rebuild_it(tmp_path):
+  path = _jsonl(tmp_path)
+  sidecar.write_jsonl_index(path, [3])
+  meta = json.loads(open(path + ".bagel_index.json").read())
+  old = {k: meta[k] for k in ("size", "mtime_ns", "lines", "shuffle_seeds")}
+  open(path + ".bagel_index.json", "w").write(
+      json.dumps({"format": "bagel-grain jsonl index 1", **old}))
+  with pytest.raises(DatasetError, match="re-run `bagel-grain index") as e:
+    JsonlLineSource(path, shuffle_lines=True, shuffle_seed=3)
+  assert e.value.file.endswith(".bagel_index.json")
+
+
+def test_an_edited_parquet_index_is_refused(tmp_path):
+  import pyarrow as pa  # pylint: disable=import-outside-toplevel
+  folder = _parquet_dir(tmp_path)
+  path = sidecar.write_parquet_index(folder)
+  table = pa.ipc.open_file(path).read_all()
+  rows = pa.array([[0] * len(r) for r in table.column("row_group_rows").to_pylist()],
+                  pa.list_(pa.int64()))
+  edited = table.set_column(4, "row_group_rows", rows).replace_schema_metadata(
+      table.schema.metadata)
+  with pa.OSFile(path, "wb") as out, pa.ipc.new_file(out, edited.schema) as writer:
+    writer.write_table(edited)
+  with pytest.raises(DatasetError, match="checksum") as e:
+    dataset_source(folder, None, ["id"])
+  assert e.value.file == path
+
+
+def test_index_files_are_the_same_bytes_from_whole_and_split_scans(tmp_path):
+  path = _jsonl(tmp_path, 300)
+  size = os.path.getsize(path)
+  whole = sidecar.jsonl_index_files(path, (size, 1), sidecar.scan_line_starts(path), [3, 1])
+  cuts = [0, 1, 17, 18, 500, size - 1, size]
+  ends = [sidecar.line_ends(path, a, b) for a, b in zip(cuts[:-1], cuts[1:])]
+  split = sidecar.jsonl_index_files(path, (size, 1), sidecar.line_starts_from_ends(ends, size),
+                                    [1, 3])
+  assert split == whole

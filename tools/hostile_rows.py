@@ -8,7 +8,10 @@ and a T2I caption, a 2 GiB (sparse) image file, a FIFO, a socket and a device
 node where an image should be (0 and 2 workers through the whole pipeline), a
 read that stalls, a state holding 100,000 buffered keys, and T2I parquet files of
 one huge row group each (0 and 2 workers; peaks of the main process and of each
-worker, the resource tracker among them).
+worker, the resource tracker among them); codec inputs: an EPS file in a T2I row
+and a VLM line with a `gs` on PATH that records any call, an ICO hiding an
+8000x8000 PNG, a progressive 8000x8000 JPEG of 1010 scans, a VLM line naming one
+image 10,000 times, a 300 MB image cell in a small zstd parquet file.
 
     python tools/hostile_rows.py --data .demo_data
 """
@@ -161,6 +164,78 @@ def _big_row_group_case(workers: int, row_group_mib: int) -> str:
       "  it.close()\n"
       "  return f'peak MiB (main, workers...) at 30 batches {seen[0]}, at 120 {seen[1]}'\n"
       "measured(peaks)")
+
+
+_FAKE_GS = (  # a `gs` first on PATH that records every call: no record may start it
+    "gs_log = scratch / 'gs_calls.log'\n"
+    "(scratch / 'gs').write_text(f'#!/bin/sh\\necho \"gs $*\" >> {gs_log}\\nexit 1\\n')\n"
+    "(scratch / 'gs').chmod(0o755)\n"
+    "os.environ['PATH'] = f'{scratch}:{os.environ[\"PATH\"]}'\n"
+    "def with_gs_calls(step):\n"
+    "  def run():\n"
+    "    outcome = step()\n"
+    "    calls = gs_log.read_text().count('gs ') if gs_log.exists() else 0\n"
+    "    return f'{outcome}; gs calls: {calls}'\n"
+    "  return run\n")
+_EPS = ("eps = (b'%!PS-Adobe-3.0 EPSF-3.0\\n%%BoundingBox: 0 0 10 10\\n%%EndComments\\n'\n"
+        "       b'newpath 0 0 moveto 10 10 lineto stroke showpage\\n%%EOF\\n')\n")
+_SCAN_BOMB = (  # a progressive 8000x8000 JPEG, its last scan repeated 1000 times
+    "import io\nfrom PIL import Image\nb = io.BytesIO()\n"
+    "Image.new('RGB', (8000, 8000), (120, 60, 30)).save(b, 'JPEG', progressive=True)\n"
+    "jpeg = b.getvalue()\nlast = jpeg.rfind(b'\\xff\\xda')\n"
+    "bomb = jpeg[:last] + jpeg[last:-2] * 1001 + b'\\xff\\xd9'\n")
+_WRITE_BIG_CELL = """
+import json, sys
+import pyarrow as pa, pyarrow.parquet as pq
+small = open(sys.argv[2], 'rb').read()
+pq.write_table(pa.table({'image': [small, bytes(300_000_000), small, small],
+                         'captions': [json.dumps({'a': 'x'})] * 4}), sys.argv[1],
+               compression='zstd')
+"""
+_BIG_CELL = (  # a 300 MB image cell (zeros) among 3 small ones, in a zstd parquet file
+    # written by another process, so that none of its memory is this one's
+    "import subprocess\n"
+    "from bagel_grain.sources.parquet import ParquetRowSource\n"
+    "from bagel_grain.sources.records import ConcatSource, ShuffledRecords\n"
+    "path = str(scratch / 'cell.parquet')\n"
+    f"subprocess.run([sys.executable, '-c', {_WRITE_BIG_CELL!r}, path, "
+    "str(data / 'vlm' / 'images' / 'img_000.jpg')], check=True)\n"
+    "print('file bytes', os.path.getsize(path), file=sys.stderr)\n"
+    "def read_all():\n"
+    "  source = ParquetRowSource([path], ['image', 'captions'], max_cell_bytes=cfg.max_image_bytes)\n"
+    "  records = ShuffledRecords(ConcatSource([source]), seed=0)\n"
+    "  transform = family_transform(cfg, names.index('t2i_pretrain'), tokenizer)\n"
+    "  outs = [transform.random_map(records[i], np.random.default_rng(0)) for i in range(4)]\n"
+    "  return (f\"{[str(getattr(o, 'reason', 'sample')) for o in outs]}, cache held \"\n"
+    "          f\"{source._cache.held_bytes} bytes\")\n")
+CASES.update({
+    "eps_in_t2i_row_fake_gs": _FAKE_GS + _EPS + (
+        "measured(with_gs_calls(one_record('t2i_pretrain', "
+        "{'image': eps, 'captions': json.dumps({'a': 'x'})})))"),
+    "eps_in_vlm_line_fake_gs": _FAKE_GS + _EPS + (
+        "(data / 'vlm' / 'images' / 'hostile_eps.png').write_bytes(eps)\n"
+        "try:\n  measured(with_gs_calls(one_record('vlm_sft', vlm_line('images/hostile_eps.png'))))\n"
+        "finally:\n  os.remove(data / 'vlm' / 'images' / 'hostile_eps.png')"),
+    "ico_16x16_holding_8000x8000_png": (
+        "import io, struct\nfrom PIL import Image\nb = io.BytesIO()\n"
+        "Image.new('RGB', (8000, 8000), (1, 2, 3)).save(b, 'PNG')\npng = b.getvalue()\n"
+        "ico = struct.pack('<HHH', 0, 1, 1) + struct.pack('<BBBBHHII', 16, 16, 0, 0, 1, 32, "
+        "len(png), 22) + png\n"
+        "cfg = dataclasses.replace(cfg, max_decode_pixels=10**6)\n"
+        "measured(one_record('t2i_pretrain', {'image': ico, 'captions': json.dumps({'a': 'x'})}))"),
+    "jpeg_8000x8000_1000_repeated_scans": _SCAN_BOMB + (
+        "print('bomb bytes', len(bomb), file=sys.stderr)\n"
+        "measured(one_record('t2i_pretrain', {'image': bomb, 'captions': json.dumps({'a': 'x'})}))"),
+    "vlm_line_10000_images": (
+        "line = json.dumps({'image': ['images/img_000.jpg'] * 10_000, 'conversations': [\n"
+        "    {'from': 'human', 'value': '<image>' * 10_000 + 'Count.'},\n"
+        "    {'from': 'gpt', 'value': 'Many.'}]}).encode()\n"
+        "from PIL import Image\ndecodes = []\nreal = Image._getdecoder\n"
+        "Image._getdecoder = lambda *a: decodes.append(a[1]) or real(*a)\n"
+        "step = one_record('vlm_sft', line)\n"
+        "measured(lambda: f'{step()}; decodes: {len(decodes)}')"),
+    "parquet_300MB_cell_in_zstd_file": _BIG_CELL + "measured(read_all)",
+})
 
 
 CASES["fifo_in_pipeline_0_workers"] = _pipeline_case(0)

@@ -5,15 +5,17 @@ chains and VLM lines replaced by bad ones) with a few hostile records besides (a
 few megabytes of text in a caption, an instruction and a VLM turn, an image file
 larger than `max_image_bytes`, a FIFO where an image should be, a 16-bit grey
 PNG of 9 Mpx, a T2I parquet file whose footer claims twice the rows it holds;
-and, built apart, one claiming 1e9 rows, which the build must refuse), then pulls
-batches for the given time. Every `--report-every`
+and, built apart, one claiming 1e9 rows, which the build must refuse; codec inputs:
+an EPS file with a `gs` on PATH that records any call, a 1010-scan progressive
+JPEG, a VLM line naming a file 10,000 times, a parquet cell over
+`max_image_bytes`), then pulls batches for the given time. Every `--report-every`
 seconds it prints the elapsed time, rows, the RSS of the main process and of
 each worker (MiB), and the packer's counters with whether they balance (drawn =
 packed + dropped + buffered + carried). At the end it prints a JSON summary with
 each process's first, last and peak RSS and how much its peak grew from the
 first half of the run to the second; the exit status is 1 when the counters ever
-failed to balance, the stream stopped with an error, or a worker process was
-replaced.
+failed to balance, the stream stopped with an error, a worker process was
+replaced, or a record started a process.
 
     python tools/soak.py --minutes 10
     python tools/soak.py --seconds 20 --report-every 5      # a quick smoke run
@@ -26,6 +28,7 @@ import json
 import os
 import random
 import shutil
+import subprocess
 import sys
 import tempfile
 import time
@@ -55,7 +58,11 @@ HOSTILE_LINES = (  # VLM lines a hostile user writes, each once per epoch
     json.dumps({"image": "images/soak_garbage.png", "conversations": [
         {"from": "human", "value": "<image>" + BIG_TEXT}, {"from": "gpt", "value": "?"}]}),
 )
-MAX_IMAGE_BYTES = 128 << 20  # the config's default: soak_huge.png is one byte more
+# The soak's `max_image_bytes` (soak_huge.png and the parquet cell are one byte more):
+# a quarter of the default, because Arrow's read of a cell just over it costs about three
+# times the cell (docs/images.md), so at 128 MiB that one read lifts a process past the
+# soak's 1 GiB bound whatever the pipeline does.
+MAX_IMAGE_BYTES = 32 << 20
 
 
 def _hostile_files(images: Path) -> None:
@@ -66,6 +73,59 @@ def _hostile_files(images: Path) -> None:
   ramp = np.linspace(0, 60000, 3000, dtype=np.float64)
   Image.fromarray(np.add.outer(ramp, ramp[:2000]).astype(np.uint16) // 2).save(
       images / "soak_grey16.png", compress_level=1)
+
+
+_CODEC_FILES = """
+import io, json, sys
+import pyarrow as pa, pyarrow.parquet as pq
+from PIL import Image
+images, t2i, max_bytes = sys.argv[1], sys.argv[2], int(sys.argv[3])
+out = io.BytesIO()
+Image.new('RGB', (8000, 8000), (120, 60, 30)).save(out, 'JPEG', progressive=True)
+jpeg = out.getvalue()
+last = jpeg.rfind(b'\\xff\\xda')
+bomb = jpeg[:last] + jpeg[last:-2] * 1001 + b'\\xff\\xd9'  # 1010 scans
+eps = (b'%!PS-Adobe-3.0 EPSF-3.0\\n%%BoundingBox: 0 0 10 10\\n%%EndComments\\n'
+       b'newpath 0 0 moveto 10 10 lineto stroke showpage\\n%%EOF\\n')
+open(images + '/soak_eps.png', 'wb').write(eps)
+open(images + '/soak_scan_bomb.jpg', 'wb').write(bomb)
+good = io.BytesIO()
+Image.new('RGB', (64, 64), (0, 90, 0)).save(good, 'PNG')
+pq.write_table(pa.table({
+    'image': [good.getvalue(), bytes(max_bytes + 1), eps, bomb],  # + a cell over the limit
+    'captions': [json.dumps({'a': 'soak codec row'})] * 4}),
+    t2i + '/soak_codecs.parquet', compression='zstd')
+"""
+CODEC_LINES = (  # VLM lines with hostile image files, each once per epoch
+    '{"image": "images/soak_eps.png", "conversations": %s}' % _TURNS,  # bad_image, no gs
+    '{"image": "images/soak_scan_bomb.jpg", "conversations": %s}' % _TURNS,  # too_many_jpeg_scans
+    json.dumps({"image": ["images/soak_eps.png"] * 10_000, "conversations": [  # over_max_tokens
+        {"from": "human", "value": "<image>" * 10_000}, {"from": "gpt", "value": "?"}]}),
+)
+
+
+def _codec_inputs(out: Path) -> dict[str, int]:
+  """Hostile codec inputs, each once per epoch: an EPS file (Ghostscript would render
+  it), a progressive 8000x8000 JPEG of 1010 scans, a VLM line naming a file 10,000
+  times, and a T2I parquet file holding those beside a cell over `max_image_bytes`
+  (written by another process: its 128 MiB never count against this one). Returns
+  the bad records added per group."""
+  subprocess.run([sys.executable, "-c", _CODEC_FILES, str(out / "vlm" / "images"),
+                  str(out / "t2i"), str(MAX_IMAGE_BYTES)], check=True)
+  with open(out / "vlm" / "sft.jsonl", "a", encoding="utf-8") as f:
+    f.write("\n".join(CODEC_LINES) + "\n")
+  return {"t2i_pretrain": 3, "vlm_sft": len(CODEC_LINES)}
+
+
+def install_recording_gs(folder: Path) -> Path:
+  """A `gs` first on PATH (for this process and the workers it starts) that records
+  every call in the returned log: a record that starts a process shows up there."""
+  log = folder / "gs_calls.log"
+  gs = folder / "gs"
+  gs.write_text(f'#!/bin/sh\necho "gs $*" >> "{log}"\nexit 1\n')
+  gs.chmod(0o755)
+  os.environ["PATH"] = f"{folder}{os.pathsep}{os.environ.get('PATH', '')}"
+  return log
 
 
 def _chosen(n: int, fraction: float, rng: random.Random) -> set[int]:
@@ -149,6 +209,8 @@ def corrupted_copy(demo: Path, out: Path, fraction: float, seed: int) -> dict[st
   lines += HOSTILE_LINES
   injected["vlm_sft"] += len(HOSTILE_LINES) - 1  # the 16-bit image is a good record
   (out / "vlm" / "sft.jsonl").write_text("\n".join(lines) + "\n")
+  for group, count in _codec_inputs(out).items():
+    injected[group] += count
   info = {"t2i_pretrain": {"demo_t2i": {"data_dir": "t2i"}},
           "unified_edit": {"demo_edit": {"data_dir": "edit"}},
           "vlm_sft": {"demo_vlm": {"data_dir": "vlm", "jsonl_path": "vlm/sft.jsonl"}}}
@@ -184,6 +246,7 @@ def soak(args) -> dict:
 
   tmp = Path(tempfile.mkdtemp(prefix="bagel_soak_"))
   try:
+    gs_log = install_recording_gs(tmp)
     demo = Path(args.data) if args.data else make_sample_data(tmp / "demo")
     injected = corrupted_copy(demo, tmp / "corrupted", args.bad_fraction, args.seed)
     refused = impossible_footer_refused(tmp / "corrupted" / "t2i", tmp)
@@ -194,7 +257,11 @@ def soak(args) -> dict:
     cfg = config_from_dict(raw, file=args.config, base_dir=str(Path(args.config).parent))
     tokenizer = load_tokenizer(demo / "tokenizer" / "tokenizer.json")
     it = iter(build_pipeline(cfg, tokenizer, batch_size=args.batch_size, workers=args.workers))
-    return {**_run(it, pipeline_stats, args, injected), "impossible_footer_refused": refused}
+    summary = _run(it, pipeline_stats, args, injected)
+    summary["impossible_footer_refused"] = refused
+    summary["processes_started_by_records"] = (
+        gs_log.read_text().count("gs ") if gs_log.exists() else 0)
+    return summary
   finally:
     if not args.keep:
       shutil.rmtree(tmp, ignore_errors=True)
@@ -305,6 +372,7 @@ def main(argv=None) -> int:
     Path(args.json).write_text(text + "\n")
   failed = (not summary["balanced"] or summary["error"] is not None
             or summary["impossible_footer_refused"] is None
+            or summary["processes_started_by_records"]
             or summary["workers_left_after_close"]
             or summary["worker_pids_seen"] > max(args.workers, 0))
   return 1 if failed else 0

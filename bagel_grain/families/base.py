@@ -9,6 +9,7 @@ import grain
 import numpy as np
 
 from bagel_grain.drops import Drop, Dropped, DropReason, require
+from bagel_grain.families.video import DEFAULT_MAX_VIDEO_BYTES, DEFAULT_MAX_VIDEO_FRAMES
 from bagel_grain.images import DEFAULT_MAX_IMAGE_BYTES, ImageTransform, decode_resized
 from bagel_grain.sample import Sample, SampleKey
 from bagel_grain.sources.records import Record
@@ -36,12 +37,17 @@ class FamilyTransform(grain.transforms.RandomMap, abc.ABC):
 
   def __init__(self, *, group: int, tokenizer, max_decode_pixels: int,
                max_text_chars: int | None = None, max_image_bytes: int = DEFAULT_MAX_IMAGE_BYTES,
-               jpeg_draft: bool = False):
+               max_video_bytes: int = DEFAULT_MAX_VIDEO_BYTES,
+               max_video_frames: int = DEFAULT_MAX_VIDEO_FRAMES, jpeg_draft: bool = False,
+               max_sample_tokens: int | None = None):
     self.group = group
     self.tokenizer = tokenizer
     self.max_decode_pixels = max_decode_pixels
     self.max_text_chars = max_text_chars
+    self.max_sample_tokens = max_sample_tokens  # `max_num_tokens_per_sample`; None: unchecked
     self.max_image_bytes = max_image_bytes
+    self.max_video_bytes = max_video_bytes  # for families with video: a larger file is not opened
+    self.max_video_frames = max_video_frames  # frames sampled or decoded for one video sample
     self.jpeg_draft = jpeg_draft
 
   @abc.abstractmethod
@@ -69,6 +75,8 @@ class FamilyTransform(grain.transforms.RandomMap, abc.ABC):
     """Encoded image bytes, decoded once and resized to each (transform, img_num)."""
     require(isinstance(data, (bytes, bytearray, memoryview)), DropReason.WRONG_TYPE,
             f"image is {type(data).__name__}, not bytes")
+    require(len(data) <= self.max_image_bytes, DropReason.FILE_TOO_LARGE,  # a converted record's
+            f"an image of {len(data)} bytes > max_image_bytes {self.max_image_bytes}")
     return decode_resized(bytes(data), targets, max_pixels_decode=self.max_decode_pixels,
                           jpeg_draft=self.jpeg_draft)
 
@@ -88,6 +96,14 @@ class FamilyTransform(grain.transforms.RandomMap, abc.ABC):
     require(self.max_text_chars is None or chars <= self.max_text_chars,
             DropReason.TEXT_TOO_LONG,
             f"{chars} characters of text; at most {self.max_text_chars} can fit a sample")
+
+  def check_sample_tokens(self, packed_size: int, what: str = "") -> None:
+    """Drop (over_max_tokens_per_sample) a sample whose packed size (`Sample.packed_size`,
+    or a lower bound of it) is over `max_sample_tokens`: the packer would drop it anyway,
+    so it is dropped before its images are decoded."""
+    require(self.max_sample_tokens is None or packed_size <= self.max_sample_tokens,
+            DropReason.OVER_MAX_TOKENS_PER_SAMPLE,
+            f"{what}{packed_size} tokens > max_num_tokens_per_sample {self.max_sample_tokens}")
 
   def tokenize(self, texts: Sequence[str]) -> list[np.ndarray]:
     """Token ids of each text (int32), after `check_text_length`."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import enum
 from typing import TYPE_CHECKING, Any, Callable, Mapping
 
 from bagel_grain.drops import DropReason
@@ -15,6 +16,14 @@ from bagel_grain.sources.parquet import dataset_source as parquet_dataset
 
 if TYPE_CHECKING:
   from bagel_grain.config import DatasetSpec, GroupConfig
+
+
+class RecordFormat(enum.StrEnum):
+  """How a dataset's records are stored."""
+
+  PARQUET = "parquet"  # rows of a folder of parquet files
+  JSONL = "jsonl"  # lines of a JSONL file, their files beside it
+  ARRAY_RECORD = "array_record"  # records `bagel-grain convert` framed, of any family
 
 
 def _no_options(group: GroupConfig) -> dict[str, Any]:
@@ -34,7 +43,8 @@ class Family:
   - `columns`: the parquet columns a record is read from; None for JSONL lines,
     whose datasets then need `jsonl_path`.
   - `embed_files`: the converter's step for a record whose files lie beside it,
-    `(record, data_dir) -> record with its files`; None when a record is whole.
+    `(record, data_dir, *, max_video_bytes) -> record with its files`; None when a
+    record is whole.
   - `drop_reasons`: every reason a record of the family may be dropped for before
     packing (a source's reasons included).
   """
@@ -51,19 +61,28 @@ class Family:
   def reads_jsonl(self) -> bool:
     return self.columns is None
 
+  def record_format(self, dataset: DatasetSpec) -> RecordFormat:
+    """How `dataset` stores this family's records: the one place that decides."""
+    if dataset.array_record_path is not None:
+      return RecordFormat.ARRAY_RECORD
+    return RecordFormat.JSONL if self.reads_jsonl else RecordFormat.PARQUET
+
   def source(self, group: GroupConfig, dataset: DatasetSpec, *,
              readers: int = 1,
-             row_group_cache_bytes: int = DEFAULT_CACHE_BYTES) -> RecordSource:
+             row_group_cache_bytes: int = DEFAULT_CACHE_BYTES,
+             max_image_bytes: int | None = None) -> RecordSource:
     """The records one dataset of a group contributes, in source order; `readers`: the
-    logical shards reading it at once (parquet keeps a row group in hand for each)."""
-    if dataset.array_record_path is not None:  # converted: records of any family
+    logical shards reading it at once (parquet keeps a row group in hand for each);
+    `max_image_bytes`: a parquet row with a larger binary cell is dropped unread."""
+    kind = self.record_format(dataset)
+    if kind is RecordFormat.ARRAY_RECORD:  # converted: records of any family
       return ArrayRecordSource(array_record_files(dataset.array_record_path))
-    if self.reads_jsonl:
+    if kind is RecordFormat.JSONL:
       return JsonlLineSource(dataset.jsonl_path, num_used=dataset.num_used_data,
                              shuffle_lines=group.shuffle_lines, shuffle_seed=group.shuffle_seed)
     return parquet_dataset(dataset.data_dir, dataset.num_used_data, self.columns,
                            dataset.parquet_info_path, readers=readers,
-                           cache_bytes=row_group_cache_bytes)
+                           cache_bytes=row_group_cache_bytes, max_cell_bytes=max_image_bytes)
 
   def make_transform(self, config: GroupConfig, /, **common: Any) -> FamilyTransform:
     """The group's transform; `common` holds what every family takes (`group` its index)."""

@@ -11,18 +11,16 @@ from __future__ import annotations
 
 import io
 import os
-import re
-from typing import IO, Any, Iterable, Protocol
+from typing import IO, Any, Protocol
 
 from bagel_grain import fs
 from bagel_grain.drops import Drop, DropReason, require
 from bagel_grain.families.base import is_text
+from bagel_grain.families.video import order_folder_entries
 from bagel_grain.images import DEFAULT_MAX_IMAGE_BYTES
 from bagel_grain.sources.framing import LineWithFiles
 from bagel_grain.sources.readahead import ReadAhead
 from bagel_grain.storage import RetryPolicy, is_transient
-
-_FRAME_NUMBER = re.compile(r"_(\d+)\.(?:jpe?g|png)$", re.IGNORECASE)
 
 
 class FileStore(Protocol):
@@ -35,10 +33,10 @@ class FileStore(Protocol):
     """The bytes of a located file, or of a frame from `list_frames`."""
 
   def list_frames(self, folder: str) -> list[str]:
-    """A located frame folder's frames `*_N.jpg` (or .png), in N order."""
+    """Every file of a located frame folder, in upstream's order (`video.order_folder_entries`)."""
 
-  def open_video(self, path: str) -> str | IO[bytes]:
-    """A located video file as PyAV opens it; call again for a fresh handle."""
+  def open_video(self, path: str, max_bytes: int) -> str | IO[bytes]:
+    """A located video file of at most `max_bytes` as PyAV opens it, checked before it is read."""
 
 
 def is_folder(path: str) -> bool:
@@ -51,14 +49,6 @@ def check_relative(relative: Any) -> None:
           "path is not UTF-8 text")
   require(not os.path.isabs(relative) and not fs.is_uri(relative) and "\x00" not in relative,
           DropReason.PATH_OUTSIDE_DATA_DIR, relative)
-
-
-def numbered_frames(names: Iterable[str], folder: str) -> list[str]:
-  """The names `*_N.jpg` among `names`, in N order; Drop when there is none."""
-  frames = [(int(m.group(1)), name) for name in names if (m := _FRAME_NUMBER.search(name))]
-  if not frames:
-    raise Drop(DropReason.VIDEO_UNREADABLE, f"no *_N.jpg frames in {folder}")
-  return [name for _, name in sorted(frames)]
 
 
 class DiskFiles:
@@ -101,9 +91,9 @@ class DiskFiles:
       return data
     return self._read(path, self.max_image_bytes)
 
-  def read_video(self, path: str) -> bytes:
-    """A whole video file's bytes (for the converter): any size, only a regular file."""
-    return self._read(path, None)
+  def read_video(self, path: str, max_bytes: int) -> bytes:
+    """A whole video file's bytes (for the converter): a regular file of at most `max_bytes`."""
+    return self._read(path, max_bytes)
 
   def _read(self, path: str, max_bytes: int | None) -> bytes:
     try:
@@ -119,7 +109,7 @@ class DiskFiles:
       listed = self.storage.call(folder, lambda: fs.list_files(folder))
     except OSError as e:
       raise _definite(e, f"video folder {folder}") from None
-    frames = numbered_frames(listed, folder)
+    frames = order_folder_entries(listed)
     if not fs.is_uri(folder):
       root = os.path.realpath(folder)
       for path in frames:
@@ -127,13 +117,17 @@ class DiskFiles:
                 DropReason.PATH_OUTSIDE_DATA_DIR, f"frame {path} links out of its folder")
     return frames
 
-  def open_video(self, path: str) -> str:
+  def open_video(self, path: str, max_bytes: int) -> str:
     try:  # only a regular file is opened: opening a FIFO would wait forever
-      kind = self.storage.call(path, lambda: fs.kind(path))
+      info = self.storage.call(path, lambda: fs.file_info(path))
     except OSError as e:
       raise _definite(e, path) from None
+    kind = fs.kind_of(info)
     require(kind != "missing", DropReason.MISSING_FILE, path)
     require(kind == "file", DropReason.NOT_A_REGULAR_FILE, f"{path} is a {kind}")
+    size = info.size  # checked before PyAV reads a byte
+    require(size <= max_bytes, DropReason.FILE_TOO_LARGE,
+            f"{path}: {size} bytes > max_video_bytes = {max_bytes}")
     return path  # PyAV opens the path itself
 
 
@@ -172,8 +166,11 @@ class EmbeddedFiles:
     names = [*self.record.files, *self.record.file_errors]  # an unreadable frame counts too
     inside = [name for name in names
               if name.startswith(folder) and "/" not in name[len(folder):]]
-    return numbered_frames(inside, folder)
+    return order_folder_entries(inside)
 
-  def open_video(self, path: str) -> IO[bytes]:
+  def open_video(self, path: str, max_bytes: int) -> IO[bytes]:
     require(path in self.record.files, DropReason.MISSING_FILE, path)
-    return io.BytesIO(self.record.files[path])
+    data = self.record.files[path]
+    require(len(data) <= max_bytes, DropReason.FILE_TOO_LARGE,
+            f"{path}: {len(data)} bytes > max_video_bytes = {max_bytes}")
+    return io.BytesIO(data)

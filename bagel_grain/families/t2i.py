@@ -61,4 +61,5 @@ FAMILY = Family(
     columns=COLUMNS,
     drop_reasons=RECORD_REASONS | IMAGE_REASONS | {DropReason.WRONG_TYPE,
                                                    DropReason.BAD_CAPTION,
-                                                   DropReason.TEXT_TOO_LONG})
+                                                   DropReason.TEXT_TOO_LONG,
+                                                   DropReason.FILE_TOO_LARGE})

@@ -4,18 +4,18 @@ from __future__ import annotations
 
 import json
 import os
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 import numpy as np
 
-from bagel_grain.drops import FILE_REASONS, IMAGE_REASONS, RECORD_REASONS, Drop, DropReason
-from bagel_grain.drops import Note, require
+from bagel_grain.drops import FILE_REASONS, IMAGE_REASONS, RECORD_REASONS, VIDEO_REASONS
+from bagel_grain.drops import Drop, DropReason, Note, require
 from bagel_grain.families import video
 from bagel_grain.families.base import FamilyTransform, is_text
 from bagel_grain.families.family import Family
 from bagel_grain.families.files import DiskFiles, EmbeddedFiles, FileStore, is_folder
-from bagel_grain.families.video import FrameSamplerArgs
-from bagel_grain.images import ImageTransform, resize_image
+from bagel_grain.families.video import DEFAULT_MAX_VIDEO_BYTES, FrameSamplerArgs
+from bagel_grain.images import ImageTransform, image_size, resize_image, resize_size
 from bagel_grain.sample import PlanItem, Sample
 from bagel_grain.sources.framing import LineWithFiles
 from bagel_grain.sources.records import Record
@@ -70,6 +70,19 @@ def plan_turns(conversations, num_images: int) -> tuple[list[PlanItem], list[str
   return plan, texts
 
 
+def _located(files: FileStore, listed: list[Any]) -> list[str]:
+  """Each listed path located; a path listed many times is located (resolved) once."""
+  located: dict[str, str] = {}
+  out = []
+  for relative in listed:
+    if isinstance(relative, str) and relative in located:
+      out.append(located[relative])
+      continue
+    out.append(files.locate(relative))  # raises Drop for anything but a usable path
+    located[relative] = out[-1]
+  return out
+
+
 class VLMTransform(FamilyTransform):
   """BAGEL's SFT parsing: human text split on `<image>`, gpt turns carry the loss.
 
@@ -100,24 +113,33 @@ class VLMTransform(FamilyTransform):
     except Drop:
       return []
     disk, paths = DiskFiles(self.data_dirs[record.dataset]), []
-    for relative in listed:
+    for relative in {p: None for p in listed if isinstance(p, str)}:  # each path once
       try:
         paths.append(disk.locate(relative))
       except Drop:
         pass  # refused again, and counted, when parsed
-    return paths
+    return list(dict.fromkeys(paths))  # names of one file: read once
 
-  def _video_frames(self, files: FileStore, path: str, rng: np.random.Generator) -> list:
-    """Frame paths of a frame folder, or decoded frames (PIL images) of a video file."""
-    args = self.frame_sampler
+  def _video_frames(self, files: FileStore, path: str, rng: np.random.Generator,
+                    used: Callable[[int], int]) -> tuple[list, int]:
+    """The first `used(n)` of the `n` frames a video gives, and `n`: paths of a frame
+    folder's entries, or frames decoded from a video file (PIL images)."""
     if is_folder(path):
-      frames = files.list_frames(path)
-      indices = video.sample_frame_indices(len(frames), args.min_num_frames,
-                                           args.max_num_frames, rng)
-      return [frames[i] for i in indices]
-    indices = video.sample_frame_indices(video.count_video_frames(files.open_video(path)),
-                                         args.min_num_frames, args.max_num_frames, rng)
-    return video.read_video_frames(files.open_video(path), indices)
+      frames = video.sample_folder(files.list_frames(path), self.frame_sampler, rng,
+                                   max_frames=self.max_video_frames)
+      return frames[:used(len(frames))], len(frames)
+    return video.read_video_frames(
+        files.open_video(path, self.max_video_bytes), self.frame_sampler, rng,
+        max_frames=self.max_video_frames, max_pixels=self.max_decode_pixels, take=used)
+
+  def _frame_pixels(self, files: FileStore, frames: list, num_frames: int) -> list[np.ndarray]:
+    pixels = []
+    for frame in frames:
+      if isinstance(frame, str):  # an entry of a frame folder
+        pixels.extend(self.load(files.read(frame), [(self.vit_transform, num_frames)]))
+      else:  # a frame decoded from a video file
+        pixels.append(resize_image(frame, self.vit_transform, num_frames))
+    return pixels
 
   def parse(self, record: Record, rng: np.random.Generator) -> Sample:
     line, files = self._line_and_files(record)
@@ -125,39 +147,118 @@ class VLMTransform(FamilyTransform):
     conversations = row.get("conversations")
     require(isinstance(conversations, list), DropReason.WRONG_TYPE,
             "conversations missing or not a list")
-    images: list = []  # paths, or PIL images for frames of a video file
-    if "image" in row:
-      images = [files.locate(p) for p in listed_images(row)]
+    notes: tuple[str, ...] = ()
+    if "image" in row:  # a row with both uses `image`, as upstream
+      images = _located(files, listed_images(row))
+      plan, texts = plan_turns(conversations, len(images))
+      require(any(item.loss for item in plan), DropReason.NO_LOSS_ITEM)
+      self.check_text_length(texts)
+      used = sum(item.type == "vit_image" for item in plan)
+      notes = (Note.UNUSED_IMAGES,) if used < len(images) else ()
+      text_ids = tuple(self.tokenize(texts))
+      pixels = self._image_pixels(files, images[:used], len(images), plan, text_ids)
     elif "video" in row:
-      images = self._video_frames(files, files.locate(row["video"]), rng)
-      placeholder = "<image>" * len(images)
-      conversations = [
-          {**t, "value": t["value"].replace("<video>", placeholder)}
-          if isinstance(t, dict) and t.get("from") == "human" and isinstance(t.get("value"), str)
-          else t for t in conversations]
-    plan, texts = plan_turns(conversations, len(images))
-    require(any(item.loss for item in plan), DropReason.NO_LOSS_ITEM)
-    self.check_text_length(texts)
-    used = sum(item.type == "vit_image" for item in plan)
-    notes = (Note.UNUSED_IMAGES,) if used < len(images) else ()
-    pixels = []
-    target = [(self.vit_transform, len(images))]
-    for image in images[:used]:
-      if isinstance(image, str):
-        pixels.extend(self.load(files.read(image), target))
-      else:  # a frame decoded from a video file
-        pixels.append(resize_image(image, self.vit_transform, len(images)))
-    text_ids = tuple(self.tokenize(texts))
+      path = files.locate(row["video"])
+      require(conversations, DropReason.NO_LOSS_ITEM)
+      video_turn(conversations[0])
+
+      def used(num_frames: int) -> int:  # frames the plan places; only those are decoded
+        plan, _ = plan_video_turns(conversations, num_frames)
+        return sum(item.type == "vit_image" for item in plan)
+
+      frames, num_frames = self._video_frames(files, path, rng, used)
+      plan, texts = plan_video_turns(conversations, num_frames)
+      require(any(item.loss for item in plan), DropReason.NO_LOSS_ITEM)
+      self.check_text_length(texts)
+      notes = (Note.UNUSED_IMAGES,) if len(frames) < num_frames else ()
+      text_ids = tuple(self.tokenize(texts))
+      pixels = self._frame_pixels(files, frames, num_frames)
+    else:
+      plan, texts = plan_turns(conversations, 0)
+      require(any(item.loss for item in plan), DropReason.NO_LOSS_ITEM)
+      self.check_text_length(texts)
+      text_ids = tuple(self.tokenize(texts))
+      pixels = []
     num_tokens = sum(len(t) for t in text_ids) + sum(
         self.image_tokens(p, self.vit_transform.image_stride) for p in pixels)
     return Sample(tuple(plan), text_ids, tuple(pixels), num_tokens, self.key(record), notes)
+
+  def _image_pixels(self, files: FileStore, images: list[str], img_num: int, plan: list,
+                    text_ids: tuple) -> list[np.ndarray]:
+    """The placed images' pixels, once the sample's size is known to fit: first from the
+    line alone (each image at least one token), then from the images' headers; a file
+    named many times is decoded once."""
+    text_tokens = sum(len(t) for t in text_ids)
+    self.check_sample_tokens(text_tokens + len(images) + 2 * len(plan), "at least ")
+    sizes, held = self._resized_sizes(files, images, img_num)
+    stride = self.vit_transform.image_stride
+    self.check_sample_tokens(text_tokens + sum(w * h // stride**2 for w, h in sizes)
+                             + 2 * len(plan))
+    pixels, decoded = [], {}
+    target = [(self.vit_transform, img_num)]
+    for image in images:
+      if image not in decoded:
+        data = held.pop(image, None)
+        [decoded[image]] = self.load(files.read(image) if data is None else data, target)
+      pixels.append(decoded[image])
+    return pixels
+    return Sample(tuple(plan), text_ids, tuple(pixels), num_tokens, self.key(record), notes)
+
+  def _resized_sizes(self, files: FileStore, images: list, img_num: int
+                     ) -> tuple[list[tuple[int, int]], dict[str, bytes]]:
+    """Each image's (w, h) after the resize, from its header (no pixel decoded), so the
+    sample's size is known before decoding.
+
+    A file named many times is read once. The bytes read are handed back for the
+    decode while they total at most `max_image_bytes`; beyond that they are let go
+    and read again, so a line of many large files never holds them all.
+    """
+    sizes, by_path, held, held_bytes = [], {}, {}, 0
+    for image in images:
+      if image not in by_path:
+        data = files.read(image)
+        require(isinstance(data, (bytes, bytearray, memoryview)), DropReason.WRONG_TYPE,
+                f"image is {type(data).__name__}, not bytes")
+        w, h = image_size(bytes(data), max_pixels_decode=self.max_decode_pixels)
+        by_path[image] = resize_size(w, h, self.vit_transform, img_num)
+        if held_bytes + len(data) <= self.max_image_bytes:
+          held[image], held_bytes = data, held_bytes + len(data)
+      sizes.append(by_path[image])
+    return sizes, held
+
+
+def video_turn(turn: Any) -> dict:
+  """The turn a video's frames go into: upstream replaces `<video>` in the first turn only
+  (every occurrence there) and refuses a row whose first turn has none."""
+  require(isinstance(turn, dict), DropReason.WRONG_TYPE, "a turn is not an object")
+  require(is_text(turn.get("value")), DropReason.BAD_TURN, "a turn's value is not UTF-8 text")
+  require("<video>" in turn["value"], DropReason.NO_VIDEO_PLACEHOLDER,
+          "a video row's first turn has no <video>")
+  return turn
+
+
+def plan_video_turns(conversations: list, num_frames: int) -> tuple[list[PlanItem], list[str]]:
+  """`plan_turns` once every `<video>` of the first turn became `num_frames` `<image>`s.
+
+  Only the first `<video>`'s placeholders can receive frames (the images run out
+  there), so each later one becomes a single, ignored `<image>`: the same plan, from a
+  string that grows by `num_frames` placeholders, not by that many per `<video>`.
+  """
+  first = video_turn(conversations[0])
+  head, *rest = first["value"].split("<video>")
+  if num_frames == 0:  # every `<video>` vanishes; the turn may end up without `<image>`
+    value = "".join([head, *rest])
+  else:
+    value = head + "<image>" * num_frames + "<image>".join(rest)
+  return plan_turns([{**first, "value": value}, *conversations[1:]], num_frames)
 
 
 class _Embedding:
   """A line's files read through `DiskFiles`, each refusal noted under the path the row spells."""
 
-  def __init__(self, data_dir: str):
+  def __init__(self, data_dir: str, max_video_bytes: int):
     self.disk = DiskFiles(data_dir)
+    self.max_video_bytes = max_video_bytes
     self.files: dict[str, bytes] = {}
     self.errors: dict[str, DropReason] = {}
 
@@ -187,35 +288,36 @@ class _Embedding:
       try:
         frames = self.disk.list_frames(path)
       except Drop as e:
-        if e.reason != DropReason.VIDEO_UNREADABLE:  # no frames: list_frames finds that again
-          self.errors[relative] = e.reason  # a missing folder, a frame linking out
+        self.errors[relative] = e.reason  # a missing folder, a frame linking out
         return
       for frame in frames:
         name = relative + os.path.basename(frame)
         try:
           self.files[name] = self.disk.read(frame)
         except Drop as e:
-          self.errors[name] = e.reason  # still a frame: it counts for the sampling
+          self.errors[name] = e.reason  # still an entry: it counts for the sampling
       return
-    try:
-      self.disk.open_video(path)
+    try:  # the size is checked before a byte is read, as when the family opens it
+      self.disk.open_video(path, self.max_video_bytes)
     except Drop as e:
       if e.reason != DropReason.MISSING_FILE:  # else absent, as on disk
         self.errors[relative] = e.reason
       return
     try:
-      self.files[relative] = self.disk.read_video(path)
-    except Drop:
-      self.errors[relative] = DropReason.VIDEO_UNREADABLE  # PyAV could not open it either
+      self.files[relative] = self.disk.read_video(path, self.max_video_bytes)
+    except Drop as e:
+      self.errors[relative] = e.reason  # grew past the bound, or vanished, since the check
 
 
-def embed_files(line: bytes, data_dir: str) -> LineWithFiles:
+def embed_files(line: bytes, data_dir: str, *,
+                max_video_bytes: int = DEFAULT_MAX_VIDEO_BYTES) -> LineWithFiles:
   """The line with the files it references, for the converter: read as the family reads them.
 
   Through `DiskFiles`, so a converted record drops for the same reason as the
-  line read from disk (see `files.EmbeddedFiles`).
+  line read from disk (see `files.EmbeddedFiles`); a video file over `max_video_bytes`
+  is recorded as `file_too_large` without being read.
   """
-  embedding = _Embedding(data_dir)
+  embedding = _Embedding(data_dir, max_video_bytes)
   try:
     row = parse_row(line)
   except Drop:
@@ -240,6 +342,7 @@ FAMILY = Family(
     columns=None,  # JSONL lines; their image and video files lie under data_dir
     options=_options,
     embed_files=embed_files,
-    drop_reasons=RECORD_REASONS | IMAGE_REASONS | FILE_REASONS | {
+    drop_reasons=RECORD_REASONS | IMAGE_REASONS | FILE_REASONS | VIDEO_REASONS | {
         DropReason.BAD_JSON, DropReason.WRONG_TYPE, DropReason.BAD_TURN,
-        DropReason.NO_LOSS_ITEM, DropReason.TEXT_TOO_LONG})
+        DropReason.NO_LOSS_ITEM, DropReason.TEXT_TOO_LONG,
+        DropReason.OVER_MAX_TOKENS_PER_SAMPLE})

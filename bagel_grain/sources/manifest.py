@@ -46,15 +46,15 @@ class Manifest:
                int(value["blocks"]))
 
 
-def dataset_manifest(spec: DatasetSpec, source: RecordSource) -> Manifest:
+def dataset_manifest(spec: DatasetSpec, record_format: str, source: RecordSource) -> Manifest:
   """The manifest of one dataset as its (unrestricted) source reads it: one listing of its
-  folder, or one look at its file."""
-  if spec.array_record_path is not None:
+  folder, or one look at its file; `record_format` as `Family.record_format` says."""
+  if record_format == "array_record":
     paths = array_record_files(spec.array_record_path)
     root = spec.array_record_path if fs.is_dir(spec.array_record_path) else fs.dirname(
         spec.array_record_path)
     files = [(_relative(p, root), fs.file_info(p).size) for p in paths]
-  elif spec.jsonl_path is not None:
+  elif record_format == "jsonl":
     root = fs.dirname(spec.jsonl_path)
     files = [(_relative(spec.jsonl_path, root), fs.file_info(spec.jsonl_path).size)]
   else:

@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
+import json
 import threading
 from typing import Any, Sequence
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from bagel_grain import fs
@@ -175,16 +177,18 @@ class ParquetRowSource:
   `restrict(first, last)` keeps blocks [first, last) only: a logical shard holds
   (and reads footers for) its own share. `readers`: how many logical shards of a
   process read parts of it at once; the parts share one cache with a row group in
-  hand for each.
+  hand for each. `max_cell_bytes`: a row with a binary cell (an image) larger than
+  this is dropped as `file_too_large` (see `_drop_oversized_cells`).
   """
 
   def __init__(self, files: Sequence[str], columns: Sequence[str], *,
                catalog: ParquetCatalog | None = None, blocks: tuple[int, int] | None = None,
                readers: int = 1, cache_bytes: int = DEFAULT_CACHE_BYTES,
-               cache: _RowGroupCache | None = None):
+               cache: _RowGroupCache | None = None, max_cell_bytes: int | None = None):
     self._catalog = catalog or ParquetCatalog(files, columns)
     self._files = list(files)
     self._columns = list(columns)
+    self._max_cell_bytes = max_cell_bytes
     self._range = blocks or (0, self._catalog.num_blocks)
     self._built = False
     self._cache = cache or _RowGroupCache(cache_bytes, readers)
@@ -206,7 +210,7 @@ class ParquetRowSource:
     blocks = (start + first, start + last)
     if not self._built:
       return ParquetRowSource(self._files, self._columns, catalog=self._catalog, blocks=blocks,
-                              cache=self._cache)
+                              cache=self._cache, max_cell_bytes=self._max_cell_bytes)
     part = ParquetRowSource.__new__(ParquetRowSource)  # the catalog is gone: cut the arrays
     part.__setstate__({**self.__getstate__(), "_range": blocks})
     arrays = (self._block_file, self._block_rg, self._blocks.sizes, self._block_file_row)
@@ -293,7 +297,9 @@ class ParquetRowSource:
       batch_rows = max(1, min(rows, _BATCH_BYTES * rows // max(1, nbytes)))
       batches = parquet.iter_batches(batch_size=batch_rows, row_groups=[row_group],
                                      columns=self._columns, use_threads=False)
-      return pa.Table.from_batches(list(batches))
+      if self._max_cell_bytes is None:
+        return pa.Table.from_batches(list(batches))
+      return _drop_oversized_cells(batches, self._max_cell_bytes)
 
   def __getitem__(self, index: int) -> dict[str, Any]:
     self._build()
@@ -304,9 +310,61 @@ class ParquetRowSource:
           f"{self._files[self._block_file[block]]} row group {int(self._block_rg[block])} "
           f"holds {table.num_rows} rows, {int(self._blocks.sizes[block])} were indexed: the "
           "file changed since, or its footer lies"))
+    if table.schema.metadata and _OVERSIZED in table.schema.metadata:
+      detail = json.loads(table.schema.metadata[_OVERSIZED]).get(str(row))
+      if detail is not None:
+        raise Drop(DropReason.FILE_TOO_LARGE, f"{self.record_id(index)}: {detail}")
     fields = {name: table.column(name)[row].as_py() for name in self._columns}
     self.bytes_served += sum(_nbytes(v) for v in fields.values())
     return fields
+
+
+_OVERSIZED = b"bagel_grain.oversized_rows"  # table metadata: row -> what was too large
+
+
+def _largest_binary(array: pa.Array) -> np.ndarray:
+  """Per row of a column: the length of its largest binary value (0 for other types and
+  nulls), from Arrow's offsets: no value is copied. A list of binaries counts its items."""
+  kind = array.type
+  if pa.types.is_list(kind) or pa.types.is_large_list(kind):
+    inner, parents = array.flatten(), pc.list_parent_indices(array).to_numpy()
+  else:
+    inner, parents = array, None
+  if not (pa.types.is_binary(inner.type) or pa.types.is_large_binary(inner.type)):
+    return np.zeros(len(array), np.int64)
+  lengths = pc.fill_null(pc.binary_length(inner), 0).to_numpy().astype(np.int64)
+  if parents is None:
+    return lengths
+  largest = np.zeros(len(array), np.int64)
+  np.maximum.at(largest, parents, lengths)
+  return largest
+
+
+def _drop_oversized_cells(batches, limit: int) -> pa.Table:
+  """The row group's batches as one table, each binary cell over `limit` bytes (an image
+  over `max_image_bytes`) replaced by null as its batch arrives, and its row noted in
+  the table's metadata; `__getitem__` drops that row as `file_too_large`. The value is
+  never copied into Python nor decoded, and the cached table does not hold it: the row
+  group cache stays within its bound."""
+  kept, noted, first = [], {}, 0
+  for batch in batches:
+    columns = []
+    for name, column in zip(batch.schema.names, batch.columns):
+      largest = _largest_binary(column)
+      over = largest > limit
+      if over.any():
+        for row in np.flatnonzero(over):
+          noted.setdefault(str(first + int(row)), f"column {name!r} holds {int(largest[row])} "
+                           f"bytes, over max_image_bytes {limit}")
+        # take() with null indices copies just what stays (if_else would size its
+        # output buffer by the input's, large value included).
+        column = column.take(pa.array(np.arange(len(column)), mask=over))
+      columns.append(column)
+    kept.append(pa.RecordBatch.from_arrays(columns, schema=batch.schema))
+    first += batch.num_rows
+    del batch, columns
+  table = pa.Table.from_batches(kept)
+  return table.replace_schema_metadata({_OVERSIZED: json.dumps(noted)}) if noted else table
 
 
 def _nbytes(value: Any) -> int:
@@ -329,9 +387,10 @@ def dataset_files(data_dir: str, num_used: int | None) -> list[str]:
 
 def dataset_source(data_dir: str, num_used: int | None, columns: Sequence[str],
                    parquet_info_path: str | None = None, *, readers: int = 1,
-                   cache_bytes: int = DEFAULT_CACHE_BYTES) -> ParquetRowSource:
-  """The rows of a parquet dataset folder (see `dataset_catalog`; `readers` and
-  `cache_bytes` as in `ParquetRowSource`)."""
+                   cache_bytes: int = DEFAULT_CACHE_BYTES,
+                   max_cell_bytes: int | None = None) -> ParquetRowSource:
+  """The rows of a parquet dataset folder (see `dataset_catalog`; `readers`,
+  `cache_bytes` and `max_cell_bytes` as in `ParquetRowSource`)."""
   catalog = dataset_catalog(data_dir, num_used, columns, parquet_info_path)
   return ParquetRowSource(catalog.files, columns, catalog=catalog, readers=readers,
-                          cache_bytes=cache_bytes)
+                          cache_bytes=cache_bytes, max_cell_bytes=max_cell_bytes)

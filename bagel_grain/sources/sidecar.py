@@ -14,16 +14,25 @@ warning. A stale index (a file changed after it was written) is refused.
   a config shuffles it with, `F.bagel_shuffle_SEED.npy` (upstream's line order).
 
 Freshness is checked by size and modification time (an object store's
-last-modified time changes whenever the object is rewritten).
+last-modified time changes whenever the object is rewritten). Integrity is checked
+too, before any value is used: the parquet index carries a SHA-256 of its content,
+and `F.bagel_index.json` a CRC-32 of every MiB of each `.npy` file beside it, so a
+reader verifies just the blocks it reads (a host reading its share of a 10M-line
+index checks its share). A damaged file is refused naming it. Indexes written
+before the checksums (format 1) are refused with "re-run `bagel-grain index`":
+trusting them would let a zeroed shuffle repeat one line a whole epoch.
 """
 
 from __future__ import annotations
 
 import array
 import concurrent.futures
+import hashlib
+import io
 import json
 import logging
 import random
+import zlib
 from typing import Callable, Sequence
 
 import numpy as np
@@ -38,12 +47,27 @@ from bagel_grain.sources import parquet_footer
 log = logging.getLogger(__name__)
 
 PARQUET_INDEX = ".bagel_index.arrow"
-_PARQUET_FORMAT = b"bagel-grain parquet index 1"
-_JSONL_FORMAT = "bagel-grain jsonl index 1"
+_PARQUET_FORMAT = b"bagel-grain parquet index 2"
+_JSONL_FORMAT = "bagel-grain jsonl index 2"
+_OLD_FORMATS = (b"bagel-grain parquet index 1", "bagel-grain jsonl index 1")
+CHECK_BLOCK = 1 << 20  # bytes of a .npy sidecar per CRC-32
 _SCAN_CHUNK = 1 << 24
 _GATHER_CHUNK = 1 << 20  # boundaries read at a time when gathering a shard's lines
 _WHOLE_READ_SHARE = 8  # a share of over 1/8 of the lines reads every boundary at once
 FOOTER_THREADS = 16
+# Without an index a build reads every footer / scans every line: worth a warning from
+# about a second of start-up on (100 footers on an object store at 20 ms, 1M lines).
+WARN_FILES = 100
+WARN_LINES = 1_000_000
+_warned: set[str] = set()  # paths warned about in this process: once each
+
+
+def _warn_once(path: str, what: str) -> None:
+  if path in _warned:
+    return
+  _warned.add(path)
+  log.warning("%s: no sidecar index, so every start %s. Run `bagel-grain index CONFIG` once "
+              "to skip this.", path, what)
 
 
 def _stamp(info: pafs.FileInfo) -> tuple[int, int]:
@@ -53,6 +77,10 @@ def _stamp(info: pafs.FileInfo) -> tuple[int, int]:
 def _rebuild_hint(what: str) -> str:
   return (f"{what}; run `bagel-grain index CONFIG` to rebuild the index, or delete it "
           "to scan the data at every start")
+
+
+_OUTDATED = ("the sidecar index was written by an older bagel-grain, without checksums; "
+             "re-run `bagel-grain index CONFIG`")
 
 
 # -- parquet ---------------------------------------------------------------------
@@ -81,28 +109,55 @@ class ParquetFileFacts:
                [meta.row_group(i).num_rows for i in range(meta.num_row_groups)])
 
 
-def write_parquet_index(data_dir: str, progress: Callable | None = None) -> str:
-  """Reads every footer of the folder's parquet files once; writes the folder's index."""
+def list_parquet_files(data_dir: str) -> list[tuple[str, int, int]]:
+  """(name, size, mtime_ns) of each parquet file in the folder, by name: what its index stamps."""
   infos = fs.list_file_infos(data_dir, ".parquet")
   if not infos:
     raise DatasetError("no .parquet files in data_dir", file=data_dir, field="data_dir")
-  paths = [fs.join(data_dir, i.base_name) for i in infos]
+  return [(i.base_name, *_stamp(i)) for i in infos]
+
+
+def _parquet_checksum(names, sizes, mtimes, columns, rows) -> bytes:
+  """SHA-256 of an index's values, spelled independently of Arrow's file layout (so any
+  pyarrow version writes and checks the same one)."""
+  digest = hashlib.sha256()
+  for name, size, mtime, cols, counts in zip(names, sizes, mtimes, columns, rows, strict=True):
+    digest.update(json.dumps([name, int(size), int(mtime), list(cols)]).encode())
+    digest.update(np.asarray(counts, "<i8").tobytes() + b"\n")
+  return digest.hexdigest().encode()
+
+
+def parquet_index_bytes(files: Sequence[tuple[str, int, int]],
+                        facts: Sequence[ParquetFileFacts]) -> bytes:
+  """The folder's index file: `files` as `list_parquet_files` gives them, their facts."""
+  names, sizes, mtimes = ([f[k] for f in files] for k in range(3))
+  columns = [list(f.columns) for f in facts]
+  rows = [f.row_group_rows for f in facts]
+  table = pa.table({
+      "name": names,
+      "size": pa.array(sizes, pa.int64()),
+      "mtime_ns": pa.array(mtimes, pa.int64()),
+      "columns": pa.array(columns, pa.list_(pa.string())),
+      "row_group_rows": pa.array(rows, pa.list_(pa.int64())),
+  }).replace_schema_metadata({b"format": _PARQUET_FORMAT,
+                              b"sha256": _parquet_checksum(names, sizes, mtimes, columns, rows)})
+  out = io.BytesIO()
+  with pa.ipc.new_file(out, table.schema) as writer:
+    writer.write_table(table)
+  return out.getvalue()
+
+
+def write_parquet_index(data_dir: str, progress: Callable | None = None) -> str:
+  """Reads every footer of the folder's parquet files once; writes the folder's index."""
+  files = list_parquet_files(data_dir)
   with concurrent.futures.ThreadPoolExecutor(FOOTER_THREADS) as pool:
     facts = []
-    for meta in pool.map(read_footer, paths):
+    for meta in pool.map(read_footer, [fs.join(data_dir, f[0]) for f in files]):
       facts.append(ParquetFileFacts.of_footer(meta))
       if progress:
         progress(1)
-  table = pa.table({
-      "name": [i.base_name for i in infos],
-      "size": pa.array([_stamp(i)[0] for i in infos], pa.int64()),
-      "mtime_ns": pa.array([_stamp(i)[1] for i in infos], pa.int64()),
-      "columns": pa.array([list(f.columns) for f in facts], pa.list_(pa.string())),
-      "row_group_rows": pa.array([f.row_group_rows for f in facts], pa.list_(pa.int64())),
-  }).replace_schema_metadata({b"format": _PARQUET_FORMAT})
   path = fs.join(data_dir, PARQUET_INDEX)
-  with fs.open_output(path) as out, pa.ipc.new_file(out, table.schema) as writer:
-    writer.write_table(table)
+  fs.write_bytes(path, parquet_index_bytes(files, facts))
   return path
 
 
@@ -117,16 +172,24 @@ def read_parquet_index(data_dir: str,
     with fs.open_random_access(path) as f:
       table = pa.ipc.open_file(f).read_all()
   except FileNotFoundError:
-    log.warning("no sidecar index in %s: reading parquet footers (run `bagel-grain "
-                "index CONFIG` once to skip this at every start)", data_dir)
+    if len(listed) >= WARN_FILES:
+      _warn_once(data_dir, f"reads the footers of its {len(listed):,} parquet files")
     return None
   except (OSError, pa.ArrowException) as e:
     raise DatasetError(_rebuild_hint(f"unreadable sidecar index: {e}"), file=path) from None
-  if (table.schema.metadata or {}).get(b"format") != _PARQUET_FORMAT:
+  metadata = table.schema.metadata or {}
+  if metadata.get(b"format") in _OLD_FORMATS:
+    raise DatasetError(_OUTDATED, file=path)
+  if metadata.get(b"format") != _PARQUET_FORMAT:
     raise DatasetError(_rebuild_hint("not a bagel-grain parquet index"), file=path)
   names = table.column("name").to_pylist()
-  stamps = dict(zip(names, zip(table.column("size").to_pylist(),
-                               table.column("mtime_ns").to_pylist())))
+  sizes, mtimes = table.column("size").to_pylist(), table.column("mtime_ns").to_pylist()
+  columns = table.column("columns").to_pylist()
+  rows = [r.values.to_numpy() for r in table.column("row_group_rows")]
+  if _parquet_checksum(names, sizes, mtimes, columns, rows) != metadata.get(b"sha256"):
+    raise DatasetError(_rebuild_hint("the index does not match its checksum: it was damaged "
+                                     "or edited after it was written"), file=path)
+  stamps = dict(zip(names, zip(sizes, mtimes)))
   for info in listed:
     if info.base_name not in stamps:
       raise DatasetError(_rebuild_hint(f"the index does not know {info.base_name}, added "
@@ -140,9 +203,7 @@ def read_parquet_index(data_dir: str,
     gone = sorted(set(names) - {i.base_name for i in listed})
     raise DatasetError(_rebuild_hint(f"indexed files are gone: {gone[:3]}"), file=path,
                        field="data_dir")
-  columns = table.column("columns").to_pylist()
-  rows = table.column("row_group_rows")
-  return {fs.join(data_dir, name): ParquetFileFacts(columns[i], rows[i].values.to_numpy())
+  return {fs.join(data_dir, name): ParquetFileFacts(columns[i], rows[i])
           for i, name in enumerate(names)}
 
 
@@ -195,6 +256,37 @@ def shuffle_path(path: str, seed: int) -> str:
   return f"{path}.bagel_shuffle_{int(seed)}.npy"
 
 
+def line_ends(path: str, start: int = 0, stop: int | None = None,
+              progress: Callable | None = None) -> np.ndarray:
+  """One past each `\\n` in bytes [start, stop) of the file, as int64: where the next
+  line starts. A byte range of a huge file is scanned on its own (`bagel-grain index
+  --runner` splits a file so); the ranges' results laid end to end are the whole file's."""
+  pieces = [np.zeros(0, np.int64)]
+  fsys, p = fs.filesystem(path)
+  with fsys.open_input_file(p) as f:
+    position = start
+    f.seek(start)
+    while stop is None or position < stop:
+      chunk = f.read(_SCAN_CHUNK if stop is None else min(_SCAN_CHUNK, stop - position))
+      if not chunk:
+        break
+      newlines = np.flatnonzero(np.frombuffer(chunk, np.uint8) == 10)
+      pieces.append(newlines.astype(np.int64) + (position + 1))
+      position += len(chunk)
+      if progress:
+        progress(len(chunk))
+  return np.concatenate(pieces)
+
+
+def line_starts_from_ends(ends: Sequence[np.ndarray], size: int) -> np.ndarray:
+  """The N + 1 boundaries of `scan_line_starts` from the `line_ends` of a file's byte
+  ranges, in order, and the file's size."""
+  starts = np.concatenate([np.zeros(1, np.int64), *ends])
+  if starts[-1] != size:  # a last line without a final newline
+    starts = np.append(starts, size + 1)
+  return starts
+
+
 def scan_line_starts(path: str, progress: Callable | None = None) -> np.ndarray:
   """N + 1 int64: where each of the N lines starts, then one past the last line's end.
 
@@ -203,22 +295,8 @@ def scan_line_starts(path: str, progress: Callable | None = None) -> np.ndarray:
   empty tail after the final newline does not. Chunks are scanned by numpy; the
   offsets never pass through Python lists.
   """
-  pieces, position = [np.zeros(1, np.int64)], 0
-  with fs.filesystem(path)[0].open_input_stream(fs.filesystem(path)[1]) as f:
-    while True:
-      chunk = f.read(_SCAN_CHUNK)
-      if not chunk:
-        break
-      newlines = np.flatnonzero(np.frombuffer(chunk, np.uint8) == 10)
-      pieces.append(newlines.astype(np.int64) + (position + 1))
-      position += len(chunk)
-      if progress:
-        progress(len(chunk))
-  starts = np.concatenate(pieces)
-  del pieces
-  if starts[-1] != position:  # a last line without a final newline
-    starts = np.append(starts, position + 1)
-  return starts
+  size = fs.file_info(path).size
+  return line_starts_from_ends([line_ends(path, 0, size, progress)], size)
 
 
 def upstream_line_order(n: int, seed: int) -> np.ndarray:
@@ -232,48 +310,110 @@ def upstream_line_order(n: int, seed: int) -> np.ndarray:
   return np.frombuffer(order, np.int64)
 
 
-def _write_npy(path: str, values: np.ndarray) -> None:
-  with fs.open_output(path) as out:
-    np.lib.format.write_array(out, np.ascontiguousarray(values), allow_pickle=False)
+def _npy_bytes(values: np.ndarray) -> bytes:
+  out = io.BytesIO()
+  np.lib.format.write_array(out, np.ascontiguousarray(values), allow_pickle=False)
+  return out.getvalue()
+
+
+def block_checksums(data: bytes) -> list[int]:
+  """CRC-32 of each `CHECK_BLOCK` bytes of a sidecar file, from its first byte."""
+  view = memoryview(data)
+  return [zlib.crc32(view[i:i + CHECK_BLOCK]) for i in range(0, len(data), CHECK_BLOCK)]
+
+
+def jsonl_index_files(path: str, stamp: tuple[int, int], starts: np.ndarray,
+                      shuffle_seeds: Sequence[int] = ()) -> dict[str, bytes]:
+  """{sidecar path: content} for the JSONL file `path` of (size, mtime_ns) `stamp` whose
+  line boundaries are `starts`: line offsets, one shuffle per seed, and the stamp with
+  each file's checksums (written last, by `write_jsonl_files`)."""
+  meta_path, lines_path = _jsonl_paths(path)
+  files = {lines_path: _npy_bytes(starts.astype(np.int64))}
+  seeds = sorted({int(s) for s in shuffle_seeds})
+  for seed in seeds:
+    order = upstream_line_order(len(starts) - 1, seed)
+    files[shuffle_path(path, seed)] = _npy_bytes(
+        order.astype(np.int32 if len(order) < 2**31 else np.int64))
+  checksums = {_checksum_key(path, p): block_checksums(data) for p, data in files.items()}
+  size, mtime = stamp
+  files[meta_path] = json.dumps({
+      "format": _JSONL_FORMAT, "size": size, "mtime_ns": mtime, "lines": len(starts) - 1,
+      "shuffle_seeds": seeds, "check_block": CHECK_BLOCK, "crc32": checksums}).encode()
+  return files
+
+
+def _checksum_key(path: str, sidecar_path: str) -> str:
+  """How the manifest names a sidecar file: its name after the JSONL file's."""
+  return sidecar_path[len(path):].lstrip(".")
+
+
+def write_jsonl_files(files: dict[str, bytes]) -> list[str]:
+  """Writes `jsonl_index_files`' output, the stamp last: an index is whole once it is there."""
+  meta = next(p for p in files if p.endswith(".bagel_index.json"))
+  for p in [p for p in files if p != meta] + [meta]:
+    fs.write_bytes(p, files[p])
+  return [meta] + [p for p in files if p != meta]
 
 
 def write_jsonl_index(path: str, shuffle_seeds: Sequence[int] = (),
                       progress: Callable | None = None) -> list[str]:
   """Scans the file once; writes its line offsets, its shuffles and, last, its stamp."""
-  info = fs.file_info(path)
+  stamp = _stamp(fs.file_info(path))
   starts = scan_line_starts(path, progress)
-  meta_path, lines_path = _jsonl_paths(path)
-  _write_npy(lines_path, starts)
-  written = [lines_path]
-  for seed in sorted(set(shuffle_seeds)):
-    order = upstream_line_order(len(starts) - 1, seed)
-    dtype = np.int32 if len(order) < 2**31 else np.int64
-    _write_npy(shuffle_path(path, seed), order.astype(dtype))
-    written.append(shuffle_path(path, seed))
-  size, mtime = _stamp(info)
-  fs.write_bytes(meta_path, json.dumps({"format": _JSONL_FORMAT, "size": size,
-                                        "mtime_ns": mtime, "lines": len(starts) - 1,
-                                        "shuffle_seeds": sorted(set(shuffle_seeds))}).encode())
-  return [meta_path] + written
+  return write_jsonl_files(jsonl_index_files(path, stamp, starts, shuffle_seeds))
 
 
 class NpyRange:
-  """Slices of a 1-D .npy file, read by range (local or remote): no whole-file load."""
+  """Slices of a 1-D .npy file, read by range (local or remote): no whole-file load.
 
-  def __init__(self, path: str):
+  With `crc32` (one per `CHECK_BLOCK` bytes of the file) every block a read touches
+  is checked before its values are used; a mismatch is refused naming the file.
+  """
+
+  def __init__(self, path: str, crc32: Sequence[int] | None = None):
     self.path = path
+    self._crc32 = None if crc32 is None else list(crc32)
     self._file = fs.open_random_access(path)
-    version = np.lib.format.read_magic(self._file)
-    read_header = (np.lib.format.read_array_header_1_0 if version == (1, 0)
-                   else np.lib.format.read_array_header_2_0)
-    shape, fortran, dtype = read_header(self._file)
+    try:
+      size = self._file.size()
+      if self._crc32 is not None and len(self._crc32) != -(-size // CHECK_BLOCK):
+        raise DatasetError(_rebuild_hint(f"{size} bytes, but the index has checksums of "
+                                         f"{len(self._crc32)} blocks"), file=path)
+      head = io.BytesIO(self._read(0, min(size, CHECK_BLOCK)))
+      version = np.lib.format.read_magic(head)
+      read_header = (np.lib.format.read_array_header_1_0 if version == (1, 0)
+                     else np.lib.format.read_array_header_2_0)
+      shape, fortran, dtype = read_header(head)
+    except ValueError as e:
+      self._file.close()
+      raise DatasetError(_rebuild_hint(f"not a .npy file: {e}"), file=path) from None
+    except DatasetError:
+      self._file.close()
+      raise
     if len(shape) != 1 or fortran or dtype.hasobject:
+      self._file.close()
       raise DatasetError(_rebuild_hint("not a 1-D array of numbers"), file=path)
-    self.dtype, self.size, self._offset = dtype, shape[0], self._file.tell()
+    self.dtype, self.size, self._offset = dtype, shape[0], head.tell()
+
+  def _read(self, offset: int, n: int) -> bytes:
+    """Bytes [offset, offset + n) of the file, their blocks checked when there are checksums."""
+    if self._crc32 is None or n <= 0:
+      return self._file.read_at(n, offset)
+    first, last = offset // CHECK_BLOCK, (offset + n - 1) // CHECK_BLOCK + 1
+    data = self._file.read_at((last - first) * CHECK_BLOCK, first * CHECK_BLOCK)
+    view = memoryview(data)
+    for block in range(first, last):
+      at = (block - first) * CHECK_BLOCK
+      if block >= len(self._crc32) or zlib.crc32(view[at:at + CHECK_BLOCK]) != self._crc32[block]:
+        raise DatasetError(_rebuild_hint(
+            f"bytes {block * CHECK_BLOCK}-{(block + 1) * CHECK_BLOCK} do not match the index's "
+            "checksum: the file was damaged or rewritten after indexing"), file=self.path)
+    skip = offset - first * CHECK_BLOCK
+    return bytes(view[skip:skip + n])
 
   def read(self, start: int, stop: int) -> np.ndarray:
     n = max(0, stop - start)
-    data = self._file.read_at(n * self.dtype.itemsize, self._offset + start * self.dtype.itemsize)
+    data = self._read(self._offset + start * self.dtype.itemsize, n * self.dtype.itemsize)
     if len(data) != n * self.dtype.itemsize:
       raise DatasetError(_rebuild_hint("index file is truncated"), file=self.path)
     return np.frombuffer(data, self.dtype)
@@ -293,32 +433,44 @@ class LineIndex:
     try:
       meta = json.loads(fs.read_bytes(meta_path))
     except FileNotFoundError:
-      log.warning("no sidecar index for %s: scanning it for line offsets (run `bagel-grain "
-                  "index CONFIG` once to skip this at every start)", path)
       self._starts = scan_line_starts(path)
       self.count = len(self._starts) - 1
+      if self.count >= WARN_LINES:
+        _warn_once(path, f"scans its {self.count:,} lines for their offsets")
       return
     except (OSError, ValueError) as e:
       raise DatasetError(_rebuild_hint(f"unreadable sidecar index: {e}"), file=meta_path) from None
     now = _stamp(fs.file_info(path))
-    if not isinstance(meta, dict) or meta.get("format") != _JSONL_FORMAT:
+    if isinstance(meta, dict) and meta.get("format") in _OLD_FORMATS:
+      raise DatasetError(_OUTDATED, file=meta_path)
+    if (not isinstance(meta, dict) or meta.get("format") != _JSONL_FORMAT
+        or meta.get("check_block") != CHECK_BLOCK or not isinstance(meta.get("crc32"), dict)):
       raise DatasetError(_rebuild_hint("not a bagel-grain JSONL index"), file=meta_path)
+    self._crc32 = meta["crc32"]
     if (meta.get("size"), meta.get("mtime_ns")) != now:
       raise DatasetError(_rebuild_hint(
           f"the JSONL file changed since the index was written (size, mtime now {now}, "
           f"indexed {(meta.get('size'), meta.get('mtime_ns'))})"), file=meta_path,
                          field="jsonl_path")
-    self._lines = NpyRange(lines_path)
+    self._lines = NpyRange(lines_path, self._checksums(lines_path))
     self.count = int(meta["lines"])
     if self._lines.size != self.count + 1:
       raise DatasetError(_rebuild_hint("line offsets do not match the line count"),
                          file=lines_path)
 
+  def _checksums(self, sidecar_path: str) -> list[int]:
+    """The block checksums the manifest holds for one of its files; refused when none."""
+    crc = self._crc32.get(_checksum_key(self.path, sidecar_path))
+    if not isinstance(crc, list):
+      raise DatasetError(_rebuild_hint(f"the index has no checksums for {sidecar_path}"),
+                         file=_jsonl_paths(self.path)[0])
+    return crc
+
   def order(self, seed: int, first: int, last: int) -> np.ndarray:
     """Positions [first, last) of upstream's shuffled line order (stored, or computed)."""
     stored = shuffle_path(self.path, seed)
     if self._lines is not None and fs.exists(stored):
-      shuffle = NpyRange(stored)
+      shuffle = NpyRange(stored, self._checksums(stored))
       try:
         if shuffle.size != self.count:
           raise DatasetError(_rebuild_hint("stored shuffle does not match the line count"),
@@ -326,9 +478,9 @@ class LineIndex:
         return shuffle.read(first, last).astype(np.int64)
       finally:
         shuffle.close()
-    if self._lines is not None:
-      log.warning("no stored shuffle for seed %d in the sidecar index of %s: shuffling "
-                  "%d lines here", seed, self.path, self.count)
+    if self._lines is not None and self.count >= WARN_LINES:
+      _warn_once(shuffle_path(self.path, seed), f"shuffles its {self.count:,} lines in Python "
+                 f"(the index has no shuffle for seed {seed})")
     return upstream_line_order(self.count, seed)[first:last].copy()
 
   def spans(self, lines: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -365,24 +517,32 @@ class LineIndex:
 # -- a whole config ----------------------------------------------------------------
 
 
-def index_config(cfg, progress_factory: Callable) -> list[str]:
-  """Writes the sidecar index of every parquet folder and JSONL file a config reads.
-
-  `progress_factory(total, unit, desc)` returns a progress bar (tqdm's interface:
-  `update(n)`, `close()`). Converted (ArrayRecord) datasets need none. Returns the
-  paths written.
-  """
+def index_targets(cfg) -> tuple[list[str], dict[str, list[int]]]:
+  """What `bagel-grain index` writes for a config: its parquet folders, and its JSONL files
+  with the `shuffle_seed`s they are shuffled with. Converted (ArrayRecord) datasets need none."""
   parquet_dirs, jsonl_seeds = {}, {}
   for group in cfg.groups:
     for d in group.datasets:
-      if d.array_record_path is not None:
+      kind = group.family.record_format(d)
+      if kind == "array_record":
         continue
-      if group.family.reads_jsonl:
+      if kind == "jsonl":
         seeds = jsonl_seeds.setdefault(d.jsonl_path, set())
         if group.shuffle_lines:
           seeds.add(group.shuffle_seed)
       else:
         parquet_dirs[d.data_dir] = None
+  return list(parquet_dirs), {path: sorted(seeds) for path, seeds in jsonl_seeds.items()}
+
+
+def index_config(cfg, progress_factory: Callable) -> list[str]:
+  """Writes the sidecar index of every parquet folder and JSONL file a config reads, in
+  this process (`tooling/beam_index.py` writes the same files from a Beam pipeline).
+
+  `progress_factory(total, unit, desc)` returns a progress bar (tqdm's interface:
+  `update(n)`, `close()`). Returns the paths written.
+  """
+  parquet_dirs, jsonl_seeds = index_targets(cfg)
   written = []
   for data_dir in parquet_dirs:
     bar = progress_factory(len(fs.list_file_infos(data_dir, ".parquet")), "file",
@@ -394,7 +554,7 @@ def index_config(cfg, progress_factory: Callable) -> list[str]:
   for path, seeds in jsonl_seeds.items():
     bar = progress_factory(fs.file_info(path).size, "B", f"lines of {path}")
     try:
-      written.extend(write_jsonl_index(path, sorted(seeds), bar.update))
+      written.extend(write_jsonl_index(path, seeds, bar.update))
     finally:
       bar.close()
   return written

@@ -1,4 +1,4 @@
-"""The `bagel-grain` command: make-sample-data, demo, inspect, make-bench-data, bench, index, convert.
+"""The `bagel-grain` command: make-sample-data, demo, inspect, make-bench-data, bench, index, convert, audit.
 
 Results go to stdout, progress and errors to stderr. An error is one line naming
 what failed (`--debug` shows the traceback instead).
@@ -17,11 +17,31 @@ import numpy as np
 
 
 def _make_sample_data(args) -> int:
-  from bagel_grain.tooling.demo_data import make_sample_data  # pylint: disable=import-outside-toplevel
+  # pylint: disable=import-outside-toplevel
+  from bagel_grain.configs import load_shipped
+  from bagel_grain.sources.sidecar import index_config
+  from bagel_grain.tooling.demo_data import make_sample_data
   start = time.perf_counter()
   out = make_sample_data(args.dir)
-  print(f"wrote demo data to {out} in {time.perf_counter() - start:.1f} s")
+  # The sidecar index, as a user would write it once per corpus: the demo's builds then
+  # read no footer. Written here, not by `make_sample_data`: the tests copy that data to
+  # buckets, where new modification times would make an index stale.
+  index_config(load_shipped("demo", out), _NoProgress)
+  print(f"wrote demo data and its sidecar index to {out} in {time.perf_counter() - start:.1f} s")
   return 0
+
+
+class _NoProgress:
+  """A progress bar that shows nothing (tqdm's interface, for `index_config`)."""
+
+  def __init__(self, *args):
+    del args
+
+  def update(self, n: int = 1) -> None:
+    del n
+
+  def close(self) -> None:
+    pass
 
 
 def _config(args):
@@ -141,8 +161,16 @@ def _index(args) -> int:
   from bagel_grain.sources.sidecar import index_config
 
   start = time.perf_counter()
-  written = index_config(load_config(args.config), lambda total, unit, desc: tqdm(
-      total=total, unit=unit, unit_scale=unit == "B", desc=desc, file=sys.stderr))
+  cfg = load_config(args.config)
+  if args.runner:
+    from bagel_grain.tooling import beam_runner
+    beam_runner.beam()
+    from bagel_grain.tooling import beam_index
+    written = beam_index.run_index(cfg, args.runner, args.beam_args,
+                                   split_bytes=args.split_bytes)
+  else:
+    written = index_config(cfg, lambda total, unit, desc: tqdm(
+        total=total, unit=unit, unit_scale=unit == "B", desc=desc, file=sys.stderr))
   for path in written:
     print(f"wrote {path}")
   print(f"indexed in {time.perf_counter() - start:.1f} s")
@@ -150,12 +178,53 @@ def _index(args) -> int:
 
 
 def _convert(args) -> int:
-  from bagel_grain.tooling.convert import convert_config_file  # pylint: disable=import-outside-toplevel
-  done = convert_config_file(args.config, args.out, records_per_shard=args.records_per_shard,
-                             overwrite=args.overwrite, num_threads=args.threads)
+  # pylint: disable=import-outside-toplevel
+  start = time.perf_counter()
+  if args.runner:
+    from bagel_grain.tooling import beam_runner
+    beam_runner.beam()
+    from bagel_grain.tooling import beam_convert
+    done = beam_convert.run_convert(args.config, args.out, args.runner, args.beam_args,
+                                    records_per_shard=args.records_per_shard,
+                                    overwrite=args.overwrite, num_threads=args.threads)
+  else:
+    from bagel_grain.tooling.convert import convert_config_file
+    done = convert_config_file(args.config, args.out, records_per_shard=args.records_per_shard,
+                               overwrite=args.overwrite, num_threads=args.threads)
   for d in done.datasets:
     print(f"{d.group}/{d.name}: {d.num_records} records in {len(d.files)} ArrayRecord files")
   print(f"wrote {done.dataset_info}\nuse it with: --config {done.config}")
+  print(f"converted in {time.perf_counter() - start:.1f} s")
+  return 0
+
+
+def _audit(args) -> int:
+  # pylint: disable=import-outside-toplevel
+  from bagel_grain.tooling import audit
+
+  start = time.perf_counter()
+  if args.runner:
+    from bagel_grain.tooling import beam_runner
+    beam_runner.beam()  # before anything is written: names the Beam venv when Beam is missing
+  out = args.out if "://" in args.out else os.path.abspath(args.out)
+  if "://" not in out:
+    os.makedirs(os.path.dirname(out), exist_ok=True)
+  if args.runner:
+    from bagel_grain.tooling import beam_audit
+    where = (os.path.abspath(args.config) if args.config and "://" not in args.config
+             else args.config, args.shipped, os.path.abspath(args.data))
+    report = beam_audit.run_audit(where, out, args.runner, args.beam_args, sample=args.sample,
+                                  seed=args.seed, task_elements=args.task_elements)
+  else:
+    from bagel_grain.tokenizer import load_tokenizer
+    cfg = _config(args)
+    merged = audit.audit_in_process(cfg, load_tokenizer(cfg.tokenizer_path), sample=args.sample,
+                                    seed=args.seed)
+    report = audit.build_report(cfg, merged, sample=args.sample,
+                                epoch_sizes=audit.epoch_sizes(cfg, args.seed))
+  paths = audit.write_report(report, out)
+  print(audit.summary(report))
+  print(f"wrote {paths[0]} and {paths[1]} in {time.perf_counter() - start:.1f} s")
   return 0
 
 
@@ -279,6 +348,10 @@ def build_parser() -> argparse.ArgumentParser:
   p = command("index", _index, "write the sidecar index of a config's data, once per corpus: "
               "builds then read no footer and scan no JSONL file")
   p.add_argument("config", help="the config whose parquet folders and JSONL files to index")
+  _add_runner_options(p)
+  p.add_argument("--split-bytes", type=_at_least(1), default=64 << 20,
+                 help="with --runner: bytes of a JSONL file per work item (a huge file is "
+                 "scanned by many workers, split at line boundaries)")
 
   p = command("convert", _convert, "convert a config's parquet/JSONL data to ArrayRecord")
   p.add_argument("--config", required=True, help="the config whose data to convert")
@@ -287,8 +360,32 @@ def build_parser() -> argparse.ArgumentParser:
   p.add_argument("--records-per-shard", type=_at_least(1), default=4096,
                  help="records per ArrayRecord file")
   p.add_argument("--overwrite", action="store_true", help="replace existing output files")
-  p.add_argument("--threads", type=_at_least(1), default=16, help="reader threads")
+  p.add_argument("--threads", type=_at_least(1), default=16,
+                 help="reader threads (per worker with --runner)")
+  _add_runner_options(p)
+
+  p = command("audit", _audit, "run every record of a config through the family transforms "
+              "and the layout (no packing): drops by reason, tokens per sample, image sizes, "
+              "and what a run at the configured weights will look like")
+  _add_config_options(p, "demo")
+  p.add_argument("--out", default="out/audit",
+                 help="writes OUT.json (the report) and OUT.png (its histograms); may be a "
+                 "gs:// or s3:// URI")
+  p.add_argument("--sample", type=_at_least(1), default=None,
+                 help="audit only the first N records of each group's shuffled epoch: a quick "
+                 "estimate on one machine (default: every record)")
+  p.add_argument("--seed", type=int, default=None,
+                 help="the stream's seed (default: the config's data_seed and seed)")
+  p.add_argument("--task-elements", type=_at_least(1), default=256,
+                 help="with --runner: records of one group per work item")
+  _add_runner_options(p)
   return parser
+
+
+def _add_runner_options(p: argparse.ArgumentParser) -> None:
+  from bagel_grain.tooling.beam_runner import RUNNER_HELP  # pylint: disable=import-outside-toplevel
+  p.add_argument("--runner", default=None, help=RUNNER_HELP)
+  p.set_defaults(beam_args=[])
 
 
 def _one_line(error: BaseException) -> str:
@@ -299,7 +396,12 @@ def _one_line(error: BaseException) -> str:
 
 
 def main(argv=None) -> int:
-  args = build_parser().parse_args(argv)
+  parser = build_parser()
+  args, extra = parser.parse_known_args(argv)
+  if extra and not getattr(args, "runner", None):
+    parser.error(f"unrecognized arguments: {' '.join(extra)}"
+                 + (" (Beam's options need --runner)" if hasattr(args, "runner") else ""))
+  args.beam_args = extra
   try:
     return args.run(args)
   except KeyboardInterrupt:

@@ -447,11 +447,78 @@ def _write_vlm(data_dir: Path) -> int:
   return len(rows)
 
 
+VIDEO_DEMO_CONFIG = "video_demo.yaml"
+VIDEO_DEMO_FILE_FRAMES = 36  # the H.264 clip: 3 s at 12 fps, a keyframe every 12 frames
+VIDEO_DEMO_FOLDER_FRAMES = 9
+
+
+def _moving_frames(r: random.Random, frames: int, size: tuple[int, int]):
+  """A shape crossing a gradient, as RGB images, and the sentence that says so."""
+  scene, mover = _random_scene(r, 1, 1), _random_shape(r)
+  images = [_render(scene, size, None, (mover, 0.15 + 0.7 * f / (frames - 1), 0.5))
+            for f in range(frames)]
+  return images, f"A {mover.colour} circle moves from the left to the right."
+
+
+def _write_mp4(path: Path, images: list[Image.Image], rate: int) -> None:
+  """H.264 with B-frames; `mbtree=0` and `+bitexact` make the bytes the same on every run."""
+  import av  # pylint: disable=import-outside-toplevel
+
+  with av.open(str(path), "w", options={"fflags": "+bitexact"}) as out:
+    stream = out.add_stream("libx264", rate=rate)
+    stream.width, stream.height = images[0].size
+    stream.pix_fmt = "yuv420p"
+    stream.options = {"g": "12", "bf": "2", "mbtree": "0", "sc_threshold": "0",
+                      "preset": "veryfast", "threads": "1"}
+    for image in images:
+      out.mux(stream.encode(av.VideoFrame.from_image(image)))
+    out.mux(stream.encode())
+
+
+def _write_video_demo(root: Path) -> int:
+  """`video/`: one short H.264 file and one frame folder, with their own JSONL and config.
+
+  Apart from `vlm/`, so the demo config's stream (pinned by tests) is unchanged;
+  `video_demo.yaml` packs these rows alone (`make demo` runs it after the main demo).
+  """
+  data_dir = root / "video"
+  r = random.Random(f"{SEED}-video")
+  (data_dir / "clips").mkdir(parents=True, exist_ok=True)
+  images, file_answer = _moving_frames(r, VIDEO_DEMO_FILE_FRAMES, (160, 96))
+  _write_mp4(data_dir / "clips" / "clip.mp4", images, rate=12)
+  folder = data_dir / "frames" / "clip"
+  folder.mkdir(parents=True, exist_ok=True)
+  images, folder_answer = _moving_frames(r, VIDEO_DEMO_FOLDER_FRAMES, (96, 128))
+  for f, image in enumerate(images):
+    image.save(folder / f"frame_{f + 1}.jpg", "JPEG", quality=88)
+  rows = []
+  for video, answer in (("clips/clip.mp4", file_answer), ("frames/clip/", folder_answer)):
+    for q in ("<video>\nWhat happens in this clip?", "Describe the motion. <video>"):
+      rows.append({"id": f"video_{len(rows)}", "video": video,
+                   "conversations": [_turn("human", q), _turn("gpt", answer)]})
+  (data_dir / "video.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+  config = {
+      "tokenizer_path": "tokenizer", "dataset_info": "dataset_info.yaml",
+      "grouped_datasets": {"vlm_sft": {
+          "dataset_names": ["demo_video"],
+          "image_transform_args": {"image_stride": 14, "max_image_size": 490,
+                                   "min_image_size": 224},
+          "frame_sampler_args": {"max_num_frames": 8, "min_num_frames": 4, "sample": "middle"},
+          "weight": 1}},
+      "expected_num_tokens": 4096, "max_num_tokens": 5120, "max_num_tokens_per_sample": 4096,
+      "prefer_buffer_before": 2048, "max_buffer_size": 4, "vit_patch_size": 14,
+      "max_num_patch_per_side": 70, "data_seed": 42, "batch_size": 1}
+  header = ("# The demo's video rows (a video file and a frame folder) alone; paths are\n"
+            "# relative to this file. `bagel-grain demo --config <this file>`.\n")
+  (root / VIDEO_DEMO_CONFIG).write_text(header + yaml.safe_dump(config, sort_keys=False))
+  return len(rows)
+
+
 def make_sample_data(out_dir: str | Path) -> Path:
   """Writes the demo dataset (same bytes on every run on one machine); returns its root.
 
-  Layout: `tokenizer/`, `t2i/`, `edit/`, `vlm/`, `dataset_info.yaml` and, last, the
-  `.complete` marker the Makefile waits for.
+  Layout: `tokenizer/`, `t2i/`, `edit/`, `vlm/`, `video/` (with `video_demo.yaml`, its
+  config), `dataset_info.yaml` and, last, the `.complete` marker the Makefile waits for.
   """
   root = Path(out_dir)
   root.mkdir(parents=True, exist_ok=True)
@@ -461,6 +528,7 @@ def make_sample_data(out_dir: str | Path) -> Path:
   n_t2i = _write_t2i(root / "t2i")
   n_edit = _write_edit(root / "edit", root)
   n_vlm = _write_vlm(root / "vlm")
+  n_video = _write_video_demo(root)
   info = {
     "t2i_pretrain": {"demo_t2i": {"data_dir": "t2i", "num_files": len(T2I_SHARD_ROWS),
                                   "num_total_samples": n_t2i}},
@@ -468,7 +536,9 @@ def make_sample_data(out_dir: str | Path) -> Path:
                                    "parquet_info_path": "edit/parquet_info.json",
                                    "num_files": 1, "num_total_samples": n_edit}},
     "vlm_sft": {"demo_vlm": {"data_dir": "vlm", "jsonl_path": "vlm/sft.jsonl",
-                             "num_total_samples": n_vlm}},
+                             "num_total_samples": n_vlm},
+                "demo_video": {"data_dir": "video", "jsonl_path": "video/video.jsonl",
+                               "num_total_samples": n_video}},
   }
   header = "# Demo datasets in upstream's dataset_info format; paths are relative to this file.\n"
   (root / "dataset_info.yaml").write_text(header + yaml.safe_dump(info, sort_keys=False))
