@@ -119,6 +119,9 @@ class PipelineConfig:
   max_video_frames: int = DEFAULT_MAX_VIDEO_FRAMES  # frames sampled or decoded per video sample
   max_row_group_cache_bytes: int = DEFAULT_CACHE_BYTES  # decoded row groups, per parquet dataset
   element_timeout_s: float = 300.0  # one element at most, then the stream stops
+  # Transient storage failures are retried this long per element, then next() raises
+  # StorageUnavailableError (retriable); below element_timeout_s (bagel_grain/storage.py).
+  storage_timeout_s: float = 120.0
   # Opt-in fast path, off by default: changes pixels slightly (README: fast paths).
   jpeg_draft: bool = False
   allow_truncated_images: bool = False
@@ -149,7 +152,7 @@ _PACKING_FIELDS = {f.name for f in dataclasses.fields(PipelineConfig)} - {"group
 STREAM_NEUTRAL_FIELDS = frozenset({
     "tokenizer_path", "num_workers", "batch_size", "use_flex", "max_consecutive_drops",
     "bad_record_window", "max_bad_ratio", "max_image_bytes", "max_row_group_cache_bytes",
-    "element_timeout_s", "max_video_bytes", "max_video_frames"})
+    "element_timeout_s", "storage_timeout_s", "max_video_bytes", "max_video_frames"})
 # The allowed range of each numeric top-level field, bounds included (None: unbounded).
 _RANGES: dict[str, tuple[float | None, float | None]] = {
     "expected_num_tokens": (1, None), "max_num_tokens": (1, None),
@@ -165,6 +168,7 @@ _RANGES: dict[str, tuple[float | None, float | None]] = {
     "max_image_bytes": (1, None), "max_video_bytes": (1, None), "max_video_frames": (1, None),
     "max_row_group_cache_bytes": (0, None), "max_consecutive_drops": (1, None),
     "bad_record_window": (1, None), "max_bad_ratio": (0, 1), "element_timeout_s": (0.001, None),
+    "storage_timeout_s": (0.001, None),
 }
 _PATH_KINDS = {"data_dir": ("folder",), "jsonl_path": ("file",), "parquet_info_path": ("file",),
                "array_record_path": ("file", "folder")}

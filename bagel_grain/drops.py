@@ -41,6 +41,9 @@ class DropReason(enum.StrEnum):
   VIDEO_UNREADABLE = "video_unreadable"
   NOT_A_REGULAR_FILE = "not_a_regular_file"  # a FIFO, device or socket: never opened
   FILE_TOO_LARGE = "file_too_large"  # over `max_image_bytes` / `max_video_bytes`: never read
+  # There, but storage refused it for good (access denied, a local I/O error); never a
+  # network failure, which is retried (`bagel_grain.storage`).
+  FILE_NOT_READABLE = "file_not_readable"
   # A video sample needs more frames sampled or decoded than `max_video_frames`.
   TOO_MANY_VIDEO_FRAMES = "too_many_video_frames"
   # An image could not become pixels.
@@ -75,7 +78,7 @@ IMAGE_REASONS = frozenset({DropReason.BAD_IMAGE, DropReason.TOO_MANY_PIXELS,
                            DropReason.TRUNCATED_IMAGE, DropReason.TOO_MANY_JPEG_SCANS})
 FILE_REASONS = frozenset({DropReason.MISSING_FILE, DropReason.PATH_OUTSIDE_DATA_DIR,
                           DropReason.VIDEO_UNREADABLE, DropReason.NOT_A_REGULAR_FILE,
-                          DropReason.FILE_TOO_LARGE})
+                          DropReason.FILE_TOO_LARGE, DropReason.FILE_NOT_READABLE})
 VIDEO_REASONS = frozenset({DropReason.NO_VIDEO_PLACEHOLDER, DropReason.TOO_MANY_VIDEO_FRAMES})
 
 

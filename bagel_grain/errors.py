@@ -39,3 +39,23 @@ class StateMismatchError(BagelGrainError):
 
 class UnsupportedOperationError(BagelGrainError, TypeError):
   """A Grain operation that cannot apply to the packed stream; says what to use instead."""
+
+
+class StorageUnavailableError(BagelGrainError):
+  """Storage kept failing (network, timeouts, throttling) past `storage_timeout_s`.
+
+  Nothing was dropped or consumed: the iterator is where it was before the
+  `next()` that raised, and a later `next()` (once storage is back) reads the
+  same record again; or restore a saved state.
+  """
+
+  def __init__(self, what: str, error: str, waited_s: float, attempts: int):
+    self.what, self.error, self.waited_s, self.attempts = what, error, waited_s, attempts
+    super().__init__(
+        f"storage did not answer reading {what}: tried {attempts} times over {waited_s:.1f} s "
+        f"(`storage_timeout_s`), last error: {error}. No record was lost: the iterator is "
+        "where it was before this next(); call next() again once storage is back, or "
+        "raise `storage_timeout_s` to wait longer.")
+
+  def __reduce__(self):  # crosses from worker processes as itself
+    return type(self), (self.what, self.error, self.waited_s, self.attempts)

@@ -17,7 +17,7 @@ from typing import Any, Mapping, Sequence
 import grain
 import numpy as np
 
-from bagel_grain import fs, images
+from bagel_grain import fs, images, storage
 from bagel_grain.config import STREAM_NEUTRAL_FIELDS, GroupConfig, PipelineConfig
 from bagel_grain.errors import ConfigError, DatasetError
 from bagel_grain.families.base import FamilyTransform
@@ -33,7 +33,7 @@ from bagel_grain.packing.shards import ShardInterleaveDataset
 from bagel_grain.packing.state import StreamIdentity
 from bagel_grain.sources import readahead
 from bagel_grain.sources.manifest import Manifest, dataset_manifest
-from bagel_grain.sources.records import ConcatSource, ShuffledRecords
+from bagel_grain.sources.records import ConcatSource, ShuffledRecords, dataset_roots
 
 
 def stream_seeds(cfg: PipelineConfig, seed: int | None = None) -> tuple[int, int]:
@@ -93,7 +93,8 @@ def group_source(cfg: PipelineConfig, group: int, *, readers: int = 1) -> Concat
   return ConcatSource([g.family.source(g, d, readers=readers,
                                        row_group_cache_bytes=cfg.max_row_group_cache_bytes,
                                        max_image_bytes=cfg.max_image_bytes)
-                       for d in g.datasets])
+                       for d in g.datasets], names=[d.name for d in g.datasets],
+                      roots=[dataset_roots(d) for d in g.datasets])
 
 
 def _check_share(cfg: PipelineConfig, group: int, source: ConcatSource, shards: int) -> None:
@@ -133,7 +134,9 @@ def group_records(cfg: PipelineConfig, group: int, *, seed: int, shard: int = 0,
   _check_share(cfg, group, source, shard_count)
   try:
     return ShuffledRecords(source, seed=group_seed(seed, group), shard_index=shard,
-                           shard_count=shard_count, num_epochs=cfg.num_epochs)
+                           shard_count=shard_count, num_epochs=cfg.num_epochs,
+                           storage=storage.policy_for(cfg.storage_timeout_s,
+                                                      cfg.element_timeout_s))
   except DatasetError as e:
     raise DatasetError(f"group {cfg.groups[group].name!r}: {e}") from e
 
@@ -150,8 +153,9 @@ def prepared_samples(cfg: PipelineConfig, group: int, tokenizer, records: Shuffl
   prepare = PrepareSample(seed, geometry, tokenizer.special, cfg.text_cond_dropout_prob,
                           cfg.vit_cond_dropout_prob, cfg.vae_cond_dropout_prob, shard=key_shard)
   family = family_transform(cfg, group, tokenizer)
-  family.read_ahead = readahead.ReadAhead(threads=max(1, readahead.THREADS // readers),
-                                          max_bytes=readahead.MAX_BYTES // readers)
+  family.read_ahead = readahead.ReadAhead(
+      threads=max(1, readahead.THREADS // readers), max_bytes=readahead.MAX_BYTES // readers,
+      storage=storage.policy_for(cfg.storage_timeout_s, cfg.element_timeout_s))
   ahead = readahead.ReadAheadRecords(records, files_of=family.files_ahead,
                                      read_file=functools.partial(fs.read_file,
                                                                  max_bytes=cfg.max_image_bytes),
@@ -308,7 +312,8 @@ def build_pipeline(cfg: PipelineConfig, tokenizer, *, seed: int | None = None,
       fetcher=functools.partial(Fetcher, workers=workers, depths=depths * len(served),
                                 timeout_s=cfg.element_timeout_s,
                                 describe=functools.partial(_describe, cfg, described,
-                                                           len(served) > 1)))
+                                                           len(served) > 1),
+                                names=[g.name for _ in served for g in cfg.groups]))
   return BatchDataset(rows, batch_size=cfg.batch_size if batch_size is None else batch_size,
                       capacities=caps, identity=stream_identity(
                           cfg, tokenizer, seed=seed, shard_count=count, sources=sources))
@@ -327,10 +332,12 @@ def pipeline_stats(iterator: BatchIterator) -> dict[str, Any]:
   """The packer's counters (drawn, packed, dropped by reason, epochs) of a running pipeline,
   summed over the logical shards the process serves (a group's epoch: its shards' lowest).
 
-  Takes the iterator of `build_pipeline`'s dataset (the same as `iterator.stats()`).
+  Takes the iterator of `build_pipeline`'s dataset (`iterator.stats()`, plus `storage`:
+  this process's retries and seconds waited on failing storage per group, see
+  `bagel_grain.storage`).
   """
   if not isinstance(iterator, BatchIterator):
     raise TypeError(f"pipeline_stats takes the iterator of build_pipeline's dataset, not a "
                     f"{type(iterator).__name__}: keep that iterator (transformations on top "
                     "make new ones) and call its stats()")
-  return iterator.stats()
+  return {**iterator.stats(), "storage": storage.COUNTS.to_json()}

@@ -23,3 +23,20 @@ class StallsInWorkers:
       time.sleep(3600)  # a read that stalls
     time.sleep(self.parent_delay_s)
     return index
+
+
+class FailsWhileDown:
+  """Element i is i, unless the file `down` exists: then reading it is storage that keeps
+  failing (StorageUnavailableError), in whichever process computes it."""
+
+  def __init__(self, size: int, down: str):
+    self.size, self.down = size, down
+
+  def __len__(self) -> int:
+    return self.size
+
+  def __getitem__(self, index: int) -> int:
+    from bagel_grain.errors import StorageUnavailableError  # pylint: disable=import-outside-toplevel
+    if os.path.exists(self.down):
+      raise StorageUnavailableError(f"element {index}", "OSError: connection refused", 1.0, 3)
+    return index

@@ -85,9 +85,9 @@ class Corpus:
 
 
 def short_id(record: str) -> str:
-  """`.../t2i/part-00000.parquet#3` -> `t2i/part-00000.parquet#3` (stable across tmp dirs)."""
-  path, sep, where = record.rpartition("#") if "#" in record else record.rpartition(":")
-  return f"{os.path.basename(os.path.dirname(path))}/{os.path.basename(path)}{sep}{where}"
+  """A record id (`demo_t2i/part-00000.parquet#3`: dataset name, file under its root)."""
+  assert not os.path.isabs(record), record  # never where the data lies
+  return record
 
 
 def _write_parquet(path: Path, columns: dict, types: dict, row_group_size: int = 8) -> None:
@@ -129,7 +129,7 @@ def _t2i(corpus: Corpus, demo_dir: Path) -> None:
   labelled = ([(f"part-00000.parquet#{i}", r[0]) for i, r in enumerate(rows)]
               + [("part-00001.parquet#0", "wrong_type"), ("part-00001.parquet#1", "wrong_type"),
                  ("part-00002.parquet#0", "bad_caption")])
-  _account(corpus, "t2i_pretrain", "t2i", labelled)
+  _account(corpus, "t2i_pretrain", "demo_t2i", labelled)
   corpus.notes["t2i_pretrain"]["empty_caption"] += sum(json.loads(r[2]) == {} for r in good)
 
 
@@ -161,7 +161,7 @@ def _edit(corpus: Corpus, demo_dir: Path) -> None:
                  {"image_list": pa.list_(pa.string()), "instruction_list": nested})
   labelled = ([(f"part-00000.parquet#{i}", r[0]) for i, r in enumerate(rows)]
               + [("part-00001.parquet#0", "bad_edit_lists"), ("part-00002.parquet#0", "wrong_type")])
-  _account(corpus, "unified_edit", "edit", labelled)
+  _account(corpus, "unified_edit", "demo_edit", labelled)
 
 
 def _turns(question: str = "<image>\nDescribe the picture.", answer: str = "A picture."):
@@ -234,7 +234,7 @@ def _vlm(corpus: Corpus, demo_dir: Path, tokenizer) -> None:
   good = [("good", text) for text in (demo_dir / "vlm" / "sft.jsonl").read_text().splitlines()]
   rows = _interleave(good, bad)
   (data / "sft.jsonl").write_text("".join(text + "\n" for _, text in rows))
-  _account(corpus, "vlm_sft", "vlm", [(f"sft.jsonl:{i + 1}", r[0]) for i, r in enumerate(rows)])
+  _account(corpus, "vlm_sft", "demo_vlm", [(f"sft.jsonl:{i + 1}", r[0]) for i, r in enumerate(rows)])
   corpus.notes["vlm_sft"]["unused_images"] += 2  # the demo's rows with extra images
 
 

@@ -5,10 +5,13 @@ import os
 
 import pytest
 
+from bagel_grain import fs
 from bagel_grain.drops import Drop, DropReason
+from bagel_grain.errors import StorageUnavailableError
 from bagel_grain.families.files import DiskFiles, EmbeddedFiles
 from bagel_grain.families.vlm import embed_files
 from bagel_grain.sources.framing import LineWithFiles
+from bagel_grain.storage import RetryPolicy
 from vlm_files import write_vlm_files
 
 
@@ -101,3 +104,35 @@ def test_the_converter_embeds_what_the_disk_store_reads(data):
   on_disk = disk.list_frames(disk.locate("clip/"))
   assert EmbeddedFiles(video).list_frames("clip/") == [
       "clip/" + os.path.basename(f) for f in on_disk]
+
+
+@pytest.mark.parametrize("error, verdict", [
+    (FileNotFoundError(2, "Path does not exist 'bucket/data/a.png'"), DropReason.MISSING_FILE),
+    (PermissionError(13, "AWS Error ACCESS_DENIED"), DropReason.FILE_NOT_READABLE),
+    (OSError("AWS Error NETWORK_CONNECTION during GetObject operation: curlCode: 7"),
+     StorageUnavailableError),
+    (OSError("google::cloud::Status(UNAVAILABLE: Retry policy exhausted"),
+     StorageUnavailableError)])
+def test_storage_answers_become_drops_only_when_definite(monkeypatch, error, verdict):
+  # A network failure is waited out, then an error: never a drop, never `missing_file`.
+  monkeypatch.setattr(fs, "read_file", lambda path, max_bytes: (_ for _ in ()).throw(error))
+  disk = DiskFiles("s3://bucket/data", storage=RetryPolicy(timeout_s=0.05, first_wait_s=0.01))
+  path = disk.locate("a.png")
+  if verdict is StorageUnavailableError:
+    with pytest.raises(StorageUnavailableError, match="s3://bucket/data/a.png"):
+      disk.read(path)
+  else:
+    assert reason(disk.read, path) == verdict
+
+
+def test_a_read_failing_a_few_times_then_answering_is_read(monkeypatch):
+  failures = [OSError("AWS Error UNKNOWN (HTTP status 503)")] * 3
+
+  def flaky(path, max_bytes):
+    if failures:
+      raise failures.pop()
+    return b"pixels"
+
+  monkeypatch.setattr(fs, "read_file", flaky)
+  disk = DiskFiles("gs://bucket/data", storage=RetryPolicy(first_wait_s=0.0, longest_wait_s=0.0))
+  assert disk.read(disk.locate("a.png")) == b"pixels" and not failures

@@ -19,6 +19,12 @@ from parquet_files import ALL_IDS, NON_EMPTY_ROW_GROUPS, two_files
 THREAD_PREFIX = "bagel-grain-readahead"
 
 
+@pytest.fixture(autouse=True)
+def reads_ahead_everything(monkeypatch):
+  """This process reads ahead every element (as without workers), whatever ran before."""
+  monkeypatch.setattr(readahead, "_SHARE", (0, 1))
+
+
 class CountingRecords(grain.MapDataset):
   """Record i is the string `r<i>`; counts reads; `wait(i)` runs before a read returns."""
 
@@ -145,16 +151,119 @@ def test_a_file_whose_read_ahead_failed_gives_the_usual_verdict(tmp_path):
     ahead.close()
 
 
-def test_bytes_held_stay_bounded_by_dropping_the_oldest():
+def test_a_read_that_does_not_fit_beside_those_held_is_not_started():
   ahead = ReadAhead(threads=2, max_bytes=100)
   try:
     for key in range(10):
       ahead.start(key, lambda k=key: (k, 40))
       concurrent.futures.wait(list(ahead._reads.values()), timeout=30)  # pylint: disable=protected-access
-    # 40 bytes each: a read starts while less than 100 are held, so at most three are.
-    assert [k for k in range(10) if ahead.take(k) is not None] == [7, 8, 9]
+    # 40 bytes each: a read starts only if it fits beside those held, so two are.
+    assert [k for k in range(10) if ahead.take(k) is not None] == [0, 1]
   finally:
     ahead.close()
+
+
+def test_reads_in_flight_count_against_the_bound():
+  release = threading.Event()
+  ahead = ReadAhead(threads=8, max_bytes=100)
+  try:
+    admitted = [ahead.start(k, lambda: (release.wait(30), 40), size=40) for k in range(5)]
+    assert admitted == [True, True, False, False, False]  # 3 x 40 would not fit in 100
+    assert ahead.held_bytes() == 80
+    release.set()
+    assert ahead.take(0) is not None and ahead.start(2, lambda: (b"", 40), size=40)
+  finally:
+    release.set()
+    ahead.close()
+
+
+def test_one_read_larger_than_the_bound_is_admitted_alone():
+  release = threading.Event()
+  ahead = ReadAhead(threads=4, max_bytes=100)
+  try:
+    assert ahead.start("big", lambda: (release.wait(30), 500), size=500)
+    assert not ahead.start("small", lambda: (b"", 10), size=10)  # not beside the big one
+    release.set()
+    assert ahead.take("big") is not None
+    assert ahead.start("small", lambda: (b"", 10), size=10)
+  finally:
+    release.set()
+    ahead.close()
+
+
+def test_a_failed_read_ahead_is_forgotten_at_once():
+  ahead = ReadAhead(threads=1, max_bytes=100)
+
+  def broken():
+    raise OSError("AWS Error NETWORK_CONNECTION")
+
+  try:
+    assert ahead.start("k", broken, size=60)
+    ahead.start("later", lambda: (b"x", 1), size=1)  # one thread: runs after the failure
+    assert ahead.take("later") == b"x"
+    assert "k" not in ahead._reads and ahead.held_bytes() == 0  # pylint: disable=protected-access
+    assert ahead.take("k") is None
+  finally:
+    ahead.close()
+
+
+class SizedRecords(CountingRecords):
+  """Records whose sizes are known unread (as JSONL lines' are); tracks the bytes read
+  but not yet taken by the consumer, and their peak."""
+
+  def __init__(self, sizes):
+    super().__init__(len(sizes))
+    self.sizes, self.outstanding, self.peak = sizes, 0, 0
+
+  def record_bytes(self, index):
+    return self.sizes[index]
+
+  def __getitem__(self, index):
+    record = super().__getitem__(index)
+    with self.lock:
+      self.outstanding += self.sizes[index]
+      self.peak = max(self.peak, self.outstanding)
+    return record
+
+  def taken(self, index):
+    with self.lock:
+      self.outstanding -= self.sizes[index]
+
+
+@pytest.mark.parametrize("sizes, bound", [
+    ([1_000_000 if i % 3 == 0 else 100 for i in range(32)], 2_500_000),
+    # junk lines each over the whole bound: each read ahead alone
+    ([5_000_000 if i % 4 == 1 else 100 for i in range(16)], 1_000_000)])
+def test_records_read_ahead_never_hold_more_than_the_bound(sizes, bound):
+  # Bytes read and not yet consumed: at most the bound (or one record over it) read ahead,
+  # plus the record the consumer reads itself. Reading ahead all 32 would hold 11 MB.
+  most = max(bound, max(sizes)) + max(sizes)
+  records = SizedRecords(sizes)
+  ahead = ReadAhead(threads=8, max_bytes=bound)
+  ra = ReadAheadRecords(records, files_of=_no_files, read_file=None, ahead=ahead, depth=32)
+  try:
+    for i in range(len(sizes)):
+      assert ra[i] == f"r{i}"
+      records.taken(i)
+  finally:
+    ahead.close()
+  assert records.peak <= most
+  assert records.reads == {i: 1 for i in range(len(sizes))}
+
+
+def test_a_worker_reads_ahead_only_the_elements_it_decodes(monkeypatch):
+  monkeypatch.setattr(readahead, "_SHARE", (1, 3))  # worker 1 of 3: elements 1, 4, 7, ...
+  records = CountingRecords(40)
+  ahead = ReadAhead(threads=4)
+  ra = ReadAheadRecords(records, files_of=_no_files, read_file=None, ahead=ahead, depth=12)
+  try:
+    assert ra[1] == "r1" and ra[4] == "r4"
+    for key in list(ahead._reads):  # pylint: disable=protected-access
+      ahead._reads[key].result(timeout=30)  # pylint: disable=protected-access
+  finally:
+    ahead.close()
+  read_ahead = set(records.reads) - {1, 4}
+  assert read_ahead and all(readahead.owner(i, 3) == 1 for i in read_ahead)
 
 
 def test_a_row_group_is_read_once_however_many_threads_want_its_rows(tmp_path):

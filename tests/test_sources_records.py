@@ -6,10 +6,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from bagel_grain.errors import DatasetError
+from bagel_grain.errors import DatasetError, StorageUnavailableError
 from bagel_grain.sources.jsonl import JsonlLineSource
 from bagel_grain.sources.parquet import ParquetRowSource
 from bagel_grain.sources.records import ConcatSource, ShuffledRecords, shard_blocks
+from bagel_grain.storage import RetryPolicy
 from parquet_files import ALL_IDS, NON_EMPTY_ROW_GROUPS, two_files, write_parquet
 
 
@@ -89,6 +90,46 @@ def test_file_damaged_mid_run_becomes_an_error_record(files, damage):
   assert len(bad) == 6 and len(good) == 10
   assert all(r.fields is None and r.error.reason == "unreadable_file" for r in bad)
   assert all(r.error is None for r in good)
+
+
+class _Flaky:
+  """A source of 4 records whose reads fail with `error` while `failures` lasts."""
+
+  def __init__(self, error, failures):
+    self.error, self.failures = error, failures
+
+  def __len__(self):
+    return 4
+
+  def num_blocks(self):
+    return 4
+
+  def block_sizes(self):
+    return np.ones(4, np.int64)
+
+  def record_id(self, index):
+    return f"s3://bucket/rows.jsonl:{index + 1}"
+
+  def __getitem__(self, index):
+    if self.failures:
+      self.failures -= 1
+      raise self.error
+    return f"line {index}".encode()
+
+
+def test_a_record_read_is_retried_through_transient_failures():
+  source = _Flaky(OSError("AWS Error NETWORK_CONNECTION: curlCode: 56"), failures=3)
+  records = ShuffledRecords(ConcatSource([source]), seed=0,
+                            storage=RetryPolicy(first_wait_s=0.0, longest_wait_s=0.0))
+  assert all(r.error is None for r in _epoch(records, 0)) and source.failures == 0
+
+
+def test_a_record_whose_storage_stays_down_is_an_error_not_a_drop():
+  source = _Flaky(OSError("AWS Error UNKNOWN (HTTP status 503)"), failures=10**6)
+  records = ShuffledRecords(ConcatSource([source]), seed=0,
+                            storage=RetryPolicy(timeout_s=0.05, first_wait_s=0.01))
+  with pytest.raises(StorageUnavailableError, match=r"s3://bucket/rows.jsonl:\d"):
+    records[0]
 
 
 # --- sharding by logical shard -----------------------------------------------------------

@@ -18,6 +18,7 @@ import subprocess
 import sys
 import textwrap
 import threading
+import time
 import types
 from pathlib import Path
 
@@ -29,7 +30,8 @@ from bagel_grain.families.files import DiskFiles
 from bagel_grain.workers import WORKER_NICENESS, Fetcher, WorkerError
 from bagel_grain.pipeline import build_pipeline
 from deadline import deadline
-from slow_elements import StallsInWorkers
+from slow_elements import FailsWhileDown, StallsInWorkers
+from bagel_grain.errors import StorageUnavailableError
 
 
 class Squares:
@@ -305,6 +307,27 @@ def test_dataset_that_does_not_load_in_a_worker_is_a_worker_error_with_its_trace
     del sys.modules[module.__name__]
   assert "could not load the pipeline's datasets" in str(failure.value)
   assert "ModuleNotFoundError" in str(failure.value)
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_storage_that_gave_up_is_raised_once_and_the_element_computed_again(tmp_path, workers):
+  # Not a failure of the fetcher: the packer sees the error, and asking again (storage
+  # back) gives the element; what failed ahead meanwhile is computed again, not raised.
+  down = tmp_path / "down"
+  down.touch()
+  with deadline(120):
+    fetcher = Fetcher([FailsWhileDown(20, str(down))], workers=workers, depths=[4])
+    try:
+      with pytest.raises(StorageUnavailableError, match="element 3"):
+        fetcher.get(0, 3)
+      if workers:  # the elements after 3 were handed out too: wait until they failed
+        while any(w.jobs for w in fetcher._workers):  # pylint: disable=protected-access
+          time.sleep(0.05)
+      down.unlink()
+      assert [fetcher.get(0, i) for i in range(3, 20)] == list(range(3, 20))
+    finally:
+      fetcher.close()
+  assert not workers_alive()
 
 
 def test_element_stalled_in_a_worker_is_an_error_naming_it():

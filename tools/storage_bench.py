@@ -7,11 +7,15 @@ for process 0 of 1 and of 64. Each case runs in a fresh process: time to first
 batch, and the RSS the built pipeline holds after it (current RSS, after a
 garbage collection, above the same process's RSS after imports and tokenizer).
 
-Part 2 (`throughput`): `bagel-grain bench` data on local disk and on the S3
-server at 0, 20 and 80 ms, 0 and 2 workers: median image tokens/s and the ratio
-to local disk with the same worker count, measured in the same run; and the ratio
-to S3 at 0 ms, which separates what latency costs from what the local server's
-own CPU (moto and the proxy share the machine) costs.
+Part 2 (`throughput`): the shipped demo config on its data (`make-sample-data`:
+a VLM JSONL line and its own image objects per sample, many small objects) and
+the shipped bench config on `make-bench-data` (large parquet row groups), each
+on local disk and on the S3 server behind the latency proxy at 0, 50 and 150 ms
+per request, with 2 workers: rows/s and image tokens/s (median of three windows),
+and the ratio to local disk; every place is measured once per round, each ratio
+against local disk of the same round, and the medians over the rounds reported
+(with the range of the ratios). The local server (moto)
+and the proxy share the machine's CPUs with the pipeline.
 
     python tools/storage_bench.py --out out/storage_bench.json
     python tools/storage_bench.py --skip-startup --bench-data /tmp/bench_data
@@ -26,6 +30,7 @@ import io
 import json
 import os
 import resource
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -40,6 +45,8 @@ import yaml
 from PIL import Image
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tests"))  # the test object stores (needs the test extra)
+from object_store import LocalObjectStore  # pylint: disable=wrong-import-position
 ROWS_PER_GROUP, GROUPS_PER_SHARD = 4, 2
 _BASE = {"expected_num_tokens": 1024, "max_num_tokens": 2048, "max_num_tokens_per_sample": 1024,
          "prefer_buffer_before": 512, "max_buffer_size": 4, "max_latent_size": 32}
@@ -179,7 +186,6 @@ def startup(work: Path, shards: list[int], lines: list[int], delay_ms: float,
             local_only: bool = False) -> list[dict]:
   # pylint: disable=import-outside-toplevel
   from bagel_grain.tooling.demo_data import write_tokenizer
-  from bagel_grain.storage_servers import LocalObjectStore
   tokenizer = work / "tokenizer"
   write_tokenizer(tokenizer)
   corpora = [("t2i_pretrain", "shards", n) for n in shards] + [
@@ -215,30 +221,40 @@ def startup(work: Path, shards: list[int], lines: list[int], delay_ms: float,
   return results
 
 
+def _on(root: str, data: Path, shipped: str, tokenizer: Path) -> dict:
+  """The shipped config `shipped` (demo or bench) with every data path under `root`."""
+  from bagel_grain.configs import shipped_path  # pylint: disable=import-outside-toplevel
+  raw = yaml.safe_load(shipped_path(shipped).read_text())
+  info = yaml.safe_load((data / "dataset_info.yaml").read_text())
+  for datasets in info.values():
+    for entry in datasets.values():
+      for key in ("data_dir", "jsonl_path", "parquet_info_path"):
+        if key in entry:
+          entry[key] = f"{root}/{entry[key]}"
+  return {**raw, "dataset_info": info, "tokenizer_path": str(tokenizer)}
+
+
 def throughput(work: Path, data: Path | None, seconds: float, delays: list[float],
-               workers: list[int]) -> list[dict]:
+               workers: list[int], rounds: int = 3) -> list[dict]:
+  """Rows/s and image tokens/s of the shipped demo config (a VLM JSONL line and its own
+  image objects per sample: many small objects) and of the bench config (large parquet
+  row groups), on local disk and on S3 behind the latency proxy, in one run."""
   # pylint: disable=import-outside-toplevel
   from bagel_grain.tooling import bench
   from bagel_grain.tooling.bench_data import make_bench_data
+  from bagel_grain.tooling.demo_data import make_sample_data
   from bagel_grain.config import load_config
-  from bagel_grain.configs import shipped_path
-  from bagel_grain.storage_servers import LocalObjectStore
   from bagel_grain.tokenizer import load_tokenizer
   if data is None or not (data / ".complete").exists():
     data = make_bench_data(data or work / "bench_data", t2i_rows=256, edit_rows=64, vlm_rows=200)
-  raw = yaml.safe_load(shipped_path("bench").read_text())
+  demo = make_sample_data(work / "demo_data")
+  corpora = [("demo", demo, demo / "tokenizer"), ("bench", data, data / "tokenizer")]
   results = []
 
-  def run(where: str, root: str, env: dict):
-    info = yaml.safe_load((data / "dataset_info.yaml").read_text())
-    for datasets in info.values():
-      for entry in datasets.values():
-        for key in ("data_dir", "jsonl_path", "parquet_info_path"):
-          if key in entry:
-            entry[key] = f"{root}/{entry[key]}"
-    config = {**raw, "dataset_info": info, "tokenizer_path": str(data / "tokenizer")}
+  def run(config_name: str, corpus: Path, tokenizer_dir: Path, where: str, root: str,
+          env: dict):
     with tempfile.NamedTemporaryFile("w", suffix=".yaml", delete=False) as f:
-      yaml.safe_dump(config, f)
+      yaml.safe_dump(_on(root, corpus, config_name, tokenizer_dir), f)
     saved = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
     try:
@@ -247,8 +263,10 @@ def throughput(work: Path, data: Path | None, seconds: float, delays: list[float
       for w in workers:
         r = bench.measure_pipeline(cfg, tokenizer, workers=w, batch_size=1, seconds=seconds,
                                    windows=3)
-        row = {"storage": where, "workers": w, "image_tokens_per_s": r["image_tokens_per_s"],
-               "first_batch_s": r["first_batch_s"]}
+        rows_per_s = [x["rows"] / x["seconds"] for x in r["windows"]]
+        row = {"config": config_name, "storage": where, "workers": w,
+               "rows_per_s": sorted(rows_per_s)[len(rows_per_s) // 2],
+               "image_tokens_per_s": r["image_tokens_per_s"], "first_batch_s": r["first_batch_s"]}
         print(json.dumps(row), flush=True)
         results.append(row)
     finally:
@@ -259,20 +277,41 @@ def throughput(work: Path, data: Path | None, seconds: float, delays: list[float
         else:
           os.environ[k] = v
 
-  run("local disk", str(data), {})
   with LocalObjectStore("s3") as store:
-    root = store.upload(str(data), "bench")
-    for delay in delays:
-      run(f"S3 at {delay:g} ms", root,
-          store.environment(store.proxy_port(delay) if delay else None))
-  local = {r["workers"]: r["image_tokens_per_s"] for r in results if r["storage"] == "local disk"}
-  # Against S3 at 0 ms too: what the latency costs, apart from the local server's own CPU.
-  server = {r["workers"]: r["image_tokens_per_s"] for r in results if r["storage"] == "S3 at 0 ms"}
+    roots = {name: store.upload(str(corpus), name) for name, corpus, _ in corpora}
+    places = [("local disk", None, {})] + [
+        (f"S3 at {delay:g} ms", "s3", store.environment(store.proxy_port(delay) if delay else None))
+        for delay in delays]
+    # Rounds of every place one after the other: on a shared machine the load drifts,
+    # and a ratio to local disk measured minutes apart would mostly measure the drift.
+    for round_ in range(rounds):
+      for name, corpus, tokenizer_dir in corpora:
+        for where, remote, env in places:
+          run(name, corpus, tokenizer_dir, where, roots[name] if remote else str(corpus), env)
+          results[-len(workers):] = [{**r, "round": round_} for r in results[-len(workers):]]
   for r in results:
-    r["ratio_to_local"] = r["image_tokens_per_s"] / local[r["workers"]]
-    if r["workers"] in server and r["storage"] != "local disk":
-      r["ratio_to_s3_0ms"] = r["image_tokens_per_s"] / server[r["workers"]]
-  return results
+    local = next(x for x in results if x["storage"] == "local disk" and x["config"] == r["config"]
+                 and x["workers"] == r["workers"] and x["round"] == r["round"])
+    r["ratio_to_local"] = r["rows_per_s"] / local["rows_per_s"]
+    # Against the server without added latency: what latency costs, apart from the
+    # server's own CPU (moto serves each request in Python, on the same cores).
+    server = next((x for x in results if x["storage"] == "S3 at 0 ms"
+                   and x["config"] == r["config"] and x["workers"] == r["workers"]
+                   and x["round"] == r["round"]), None)
+    if server is not None and r["storage"].startswith("S3"):
+      r["ratio_to_s3_0ms"] = r["rows_per_s"] / server["rows_per_s"]
+  summary = []
+  for key in dict.fromkeys((r["config"], r["storage"], r["workers"]) for r in results):
+    same = [r for r in results if (r["config"], r["storage"], r["workers"]) == key]
+    summary.append({"config": key[0], "storage": key[1], "workers": key[2], "rounds": len(same),
+                    **{f: statistics.median(r[f] for r in same)
+                       for f in ("rows_per_s", "image_tokens_per_s", "ratio_to_local",
+                                 "first_batch_s")},
+                    **({"ratio_to_s3_0ms": statistics.median(r["ratio_to_s3_0ms"] for r in same)}
+                       if "ratio_to_s3_0ms" in same[0] else {}),
+                    "ratio_range": (f"{min(r['ratio_to_local'] for r in same):.2f}-"
+                                    f"{max(r['ratio_to_local'] for r in same):.2f}")})
+  return summary
 
 
 def _table(rows: list[dict], columns: list[tuple[str, str, str]]) -> str:
@@ -295,9 +334,11 @@ def main() -> None:
   parser.add_argument("--shards", type=int, nargs="*", default=[100, 1000, 5000])
   parser.add_argument("--lines", type=int, nargs="*", default=[1_000_000, 10_000_000])
   parser.add_argument("--startup-delay-ms", type=float, default=20)
-  parser.add_argument("--delays-ms", type=float, nargs="*", default=[0, 20, 80])
-  parser.add_argument("--workers", type=int, nargs="*", default=[0, 2])
+  parser.add_argument("--delays-ms", type=float, nargs="*", default=[0, 50, 150])
+  parser.add_argument("--workers", type=int, nargs="*", default=[2])
   parser.add_argument("--seconds", type=float, default=12)
+  parser.add_argument("--rounds", type=int, default=3,
+                      help="throughput: every place measured once per round; medians reported")
   parser.add_argument("--bench-data", type=Path, default=None,
                       help="`bagel-grain make-bench-data` output to use (written there if absent)")
   parser.add_argument("--skip-startup", action="store_true")
@@ -320,10 +361,12 @@ def main() -> None:
           ("index_bytes_per_unit", "index B/unit", ".1f"), ("index_build_s", "index build s",
                                                           ".1f")]))
     if not args.skip_throughput:
-      report["throughput"] = throughput(Path(tmp), args.bench_data, args.seconds, args.delays_ms, args.workers)
+      report["throughput"] = throughput(Path(tmp), args.bench_data, args.seconds,
+                                        args.delays_ms, args.workers, args.rounds)
       print(_table(report["throughput"], [
-          ("storage", "storage", ""), ("workers", "workers", ""),
-          ("image_tokens_per_s", "image tokens/s", ",.0f"), ("ratio_to_local", "x local", ".2f"),
+          ("config", "config", ""), ("storage", "storage", ""), ("workers", "workers", ""),
+          ("rows_per_s", "rows/s", ".2f"), ("image_tokens_per_s", "image tokens/s", ",.0f"),
+          ("ratio_to_local", "x local", ".2f"), ("ratio_range", "x local, range", ""),
           ("ratio_to_s3_0ms", "x S3 at 0 ms", ".2f"),
           ("first_batch_s", "first batch s", ".2f")]))
   os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)

@@ -20,6 +20,7 @@ from bagel_grain.families.video import order_folder_entries
 from bagel_grain.images import DEFAULT_MAX_IMAGE_BYTES
 from bagel_grain.sources.framing import LineWithFiles
 from bagel_grain.sources.readahead import ReadAhead
+from bagel_grain.storage import RetryPolicy, is_transient
 
 
 class FileStore(Protocol):
@@ -54,14 +55,20 @@ class DiskFiles:
   """Files under `data_dir`, local or remote (gs://, s3://); nothing outside it is read.
 
   Every byte comes through `read`, and every video through `open_video`: the one
-  place for checks on what a file may be before it is read.
+  place for checks on what a file may be before it is read. Storage's answers
+  are sorted there too: a definite one (no such file, not a regular file, too
+  large, refused) is a drop with its reason; a transient failure is retried
+  (`storage`, by default the read-ahead's) and past the deadline raises
+  `StorageUnavailableError`, never a drop.
   """
 
   def __init__(self, data_dir: str, ahead: ReadAhead | None = None,
-               max_image_bytes: int = DEFAULT_MAX_IMAGE_BYTES):
+               max_image_bytes: int = DEFAULT_MAX_IMAGE_BYTES,
+               storage: RetryPolicy | None = None):
     self.data_dir = data_dir
     self.ahead = ahead  # files read ahead under ("file", path), see `sources.readahead`
     self.max_image_bytes = max_image_bytes
+    self.storage = storage or (ahead.storage if ahead is not None else RetryPolicy())
 
   def locate(self, relative: Any) -> str:
     check_relative(relative)
@@ -88,21 +95,20 @@ class DiskFiles:
     """A whole video file's bytes (for the converter): a regular file of at most `max_bytes`."""
     return self._read(path, max_bytes)
 
-  @staticmethod
-  def _read(path: str, max_bytes: int | None) -> bytes:
+  def _read(self, path: str, max_bytes: int | None) -> bytes:
     try:
-      return fs.read_file(path, max_bytes)
+      return self.storage.call(path, lambda: fs.read_file(path, max_bytes))
     except fs.FileRefused as e:
       reason = DropReason.FILE_TOO_LARGE if e.regular else DropReason.NOT_A_REGULAR_FILE
       raise Drop(reason, str(e)) from None
     except OSError as e:
-      raise Drop(DropReason.MISSING_FILE, str(e)) from None
+      raise _definite(e, path) from None
 
   def list_frames(self, folder: str) -> list[str]:
     try:
-      listed = fs.list_files(folder)
+      listed = self.storage.call(folder, lambda: fs.list_files(folder))
     except OSError as e:
-      raise Drop(DropReason.MISSING_FILE, f"video folder {folder}: {e}") from None
+      raise _definite(e, f"video folder {folder}") from None
     frames = order_folder_entries(listed)
     if not fs.is_uri(folder):
       root = os.path.realpath(folder)
@@ -112,13 +118,27 @@ class DiskFiles:
     return frames
 
   def open_video(self, path: str, max_bytes: int) -> str:
-    kind = fs.kind(path)  # only a regular file is opened: opening a FIFO would wait forever
+    try:  # only a regular file is opened: opening a FIFO would wait forever
+      info = self.storage.call(path, lambda: fs.file_info(path))
+    except OSError as e:
+      raise _definite(e, path) from None
+    kind = fs.kind_of(info)
     require(kind != "missing", DropReason.MISSING_FILE, path)
     require(kind == "file", DropReason.NOT_A_REGULAR_FILE, f"{path} is a {kind}")
-    size = fs.file_info(path).size  # checked before PyAV reads a byte
+    size = info.size  # checked before PyAV reads a byte
     require(size <= max_bytes, DropReason.FILE_TOO_LARGE,
             f"{path}: {size} bytes > max_video_bytes = {max_bytes}")
     return path  # PyAV opens the path itself
+
+
+def _definite(error: OSError, what: str) -> Exception:
+  """The drop for storage's definite answer about a file (a transient failure is raised
+  as it is: only a read ahead, which tries once, lets one through)."""
+  if is_transient(error):
+    return error
+  if isinstance(error, FileNotFoundError):
+    return Drop(DropReason.MISSING_FILE, f"{what}: {error}")
+  return Drop(DropReason.FILE_NOT_READABLE, f"{what}: {error}")
 
 
 class EmbeddedFiles:

@@ -103,6 +103,11 @@ class JsonlLineSource:
     self._load()
     return f"{self._path}:{int(self._line[index]) + 1}"
 
+  def record_bytes(self, index: int) -> int:
+    """A line's length from its offsets, unread (read-ahead admits a read by it)."""
+    self._load()
+    return int(self._length[index])
+
   def __getitem__(self, index: int) -> bytes:
     self._load()
     if self._file is None:

@@ -9,81 +9,200 @@ the family says the record will open (`FamilyTransform.files_ahead`). The
 consumer takes what was read ahead; nothing is decoded ahead, so the stream is
 the same bytes in the same order.
 
-`ReadAhead` holds what was read, bounded in bytes (the oldest entries give way).
-A read that failed, or is not done after `WAIT_S`, is simply not served: the
-consumer reads for itself and meets today's error or drop. Its threads start on
-first use and stop at `close()` (the fetcher closes them with the iterator).
+`ReadAhead` holds what was read, bounded in bytes: a read is admitted only when
+its size (known before reading: a JSONL line's length from its offsets, a local
+file's from one stat; else the mean of the reads done so far) fits in the bound
+beside the reads held and in flight; one read larger than the whole bound is
+admitted alone. Nothing is pushed out to make room: what will not be taken is
+forgotten by its reader (`ReadAheadRecords`). A read that failed, or is not
+done after `WAIT_S`, is not served and not kept: the consumer reads for itself,
+under the storage retry policy (`bagel_grain.storage`), and meets the usual
+drop or error. Reads ahead try once (a transient failure is the consumer's to
+wait out). Its threads start on first use and stop at `close()` (the fetcher
+closes them with the iterator).
 """
 
 from __future__ import annotations
 
 import collections
 import concurrent.futures
+import os
 import threading
 import time
 from typing import Any, Callable, Hashable, Iterable
 
 import grain
 
-THREADS = 8  # requests in flight per group and process
-DEPTH = 32  # elements read ahead of the one asked for
+from bagel_grain.storage import RetryPolicy, single_attempts
+
+THREADS = 8  # requests in flight per group and process, at least
+MAX_THREADS = 64  # ... and at most, as latency asks (see `ReadAhead.target_in_flight`)
+DEPTH = 256  # elements read ahead of the one asked for, at most
+MIN_DEPTH = 32  # ... and at least; between, four times the reads wanted in flight
 MAX_BYTES = 64 << 20  # read but not yet taken, per group and process
 WAIT_S = 60.0  # a read ahead not done by then is done again by the consumer
 CLOSE_WAIT_S = 10.0
+_FIRST_GUESS = 256 << 10  # size assumed for a read of unknown size before any is done
+_SMOOTHING = 0.1  # weight of the newest sample in the latency and rate averages
+
+# The elements this process decodes, so reads ahead: (worker, workers), or None for
+# none (the main process while workers run). See `owner`.
+_SHARE: tuple[int, int] | None = (0, 1)
+
+
+def owner(index: int, workers: int) -> int:
+  """The worker that decodes a group's element `index` (the fetcher hands it out so)."""
+  return index % workers
+
+
+def set_share(share: tuple[int, int] | None) -> None:
+  """Which elements this process reads ahead: those `owner` gives worker `share[0]` of
+  `share[1]`; None: none (they are read ahead by the workers that decode them)."""
+  global _SHARE  # pylint: disable=global-statement
+  _SHARE = share
+
+
+def _mine(index: int) -> bool:
+  share = _SHARE
+  return share is not None and owner(index, share[1]) == share[0]
 
 
 class ReadAhead:
-  """Values read in the background by key: `start` a read, `take` its value (or None)."""
+  """Values read in the background by key: `start` a read, `take` its value (or None).
 
-  def __init__(self, *, threads: int = THREADS, max_bytes: int = MAX_BYTES):
+  `storage` is the retry policy of the group's consumer (the file store reads
+  under it); the reads here try once.
+
+  How many reads may be in flight adapts to what it sees (Little's law): the mean
+  time a read takes times the rate at which values are taken, doubled, between
+  `threads` and `max_threads`. At local-disk speed that is the minimum; at 150 ms
+  a request it grows until the consumer no longer waits.
+  """
+
+  def __init__(self, *, threads: int = THREADS, max_bytes: int = MAX_BYTES,
+               storage: RetryPolicy | None = None, max_threads: int = MAX_THREADS):
     self._threads, self._max_bytes = threads, max_bytes
+    self._max_threads = max(threads, max_threads)
+    self.storage = storage or RetryPolicy()
     self._reset()
 
   def _reset(self) -> None:
     self._pool: concurrent.futures.ThreadPoolExecutor | None = None
     self._reads: collections.OrderedDict[Hashable, concurrent.futures.Future] = (
         collections.OrderedDict())
+    self._admitted: dict[Hashable, int] = {}  # bytes counted for each read held
+    self._known: set[Hashable] = set()  # reads whose size was known before reading
+    self._done_bytes, self._done_reads = 0, 0  # for the size of reads of unknown size
+    self._read_s = 0.0  # mean time a read takes
+    self._take_gap_s: float | None = None  # mean time between two takes
+    self._last_take: float | None = None
     self._lock = threading.Lock()
 
-  def __getstate__(self):
-    return {"_threads": self._threads, "_max_bytes": self._max_bytes}  # no threads, no reads
+  def __getstate__(self):  # no threads, no reads
+    return {"_threads": self._threads, "_max_bytes": self._max_bytes, "storage": self.storage,
+            "_max_threads": self._max_threads}
 
   def __setstate__(self, state):
     self.__dict__.update(state)
     self._reset()
 
-  def _held_bytes(self) -> int:
-    return sum(f.result()[1] for f in self._reads.values()
-               if f.done() and not f.cancelled() and f.exception() is None)
+  def held_bytes(self) -> int:
+    """Bytes counted against the bound: reads held, finished or in flight."""
+    with self._lock:
+      return self._counted()
 
-  def start(self, key: Hashable, read: Callable[[], tuple[Any, int]]) -> None:
+  def _counted(self) -> int:
+    counted = 0
+    for key, future in self._reads.items():
+      if future.done() and not future.cancelled() and future.exception() is None:
+        counted += self._admitted[key] if key in self._known else future.result()[1]
+      elif not future.done():
+        counted += self._admitted[key]  # a failed read holds nothing
+    return counted
+
+  def target_in_flight(self) -> int:
+    """Reads to keep in flight: what the consumer takes while one read is done, doubled."""
+    if not self._take_gap_s:
+      return self._threads
+    wanted = 2 * self._read_s / self._take_gap_s
+    return int(min(self._max_threads, max(self._threads, wanted)))
+
+  def _in_flight(self) -> int:
+    return sum(1 for f in self._reads.values() if not f.done())
+
+  def _guess(self) -> int:
+    return self._done_bytes // self._done_reads if self._done_reads else _FIRST_GUESS
+
+  def start(self, key: Hashable, read: Callable[[], tuple[Any, int]],
+            size: int | None = None, *, paced: bool = False) -> bool:
     """Reads `read()` -> (value, its size in bytes) in the background, unless held already
-    or the bytes held are over the bound after dropping the oldest finished reads."""
+    or `size` (None: unknown, guessed) does not fit beside what is held and in flight, or
+    (`paced`) the reads in flight are already `target_in_flight()`. True when the read is
+    held now."""
     with self._lock:
       if key in self._reads:
-        return
-      while self._held_bytes() >= self._max_bytes:
-        oldest = next((k for k, f in self._reads.items() if f.done()), None)
-        if oldest is None:
-          return  # everything held is still in flight: no more until some is taken
-        del self._reads[oldest]
+        return True
+      need = self._guess() if size is None else size
+      if self._reads and self._counted() + need > self._max_bytes:
+        return False  # no room until some is taken (or forgotten)
+      if paced and self._in_flight() >= self.target_in_flight():
+        return False
       if self._pool is None:
         self._pool = concurrent.futures.ThreadPoolExecutor(
-            self._threads, thread_name_prefix="bagel-grain-readahead")
-      self._reads[key] = self._pool.submit(read)
+            self._max_threads, thread_name_prefix="bagel-grain-readahead",
+            initializer=single_attempts)
+      self._admitted[key] = need
+      if size is not None:
+        self._known.add(key)
+      future = self._pool.submit(self._timed, read)
+      self._reads[key] = future
+    future.add_done_callback(lambda f: self._finished(key, f))
+    return True
+
+  def _timed(self, read: Callable[[], tuple[Any, int]]) -> tuple[Any, int]:
+    start = time.monotonic()
+    value = read()
+    took = time.monotonic() - start
+    with self._lock:
+      self._read_s += _SMOOTHING * (took - self._read_s) if self._read_s else took
+    return value
+
+  def _finished(self, key: Hashable, future: concurrent.futures.Future) -> None:
+    """Counts a read's size, or forgets a failed read at once (never served, never kept)."""
+    if future.cancelled():
+      return
+    with self._lock:
+      if future.exception() is None:
+        self._done_bytes += future.result()[1]
+        self._done_reads += 1
+      elif self._reads.get(key) is future:
+        self._drop(key)
+
+  def _drop(self, key: Hashable) -> concurrent.futures.Future | None:
+    """Forgets one read (caller holds the lock)."""
+    self._admitted.pop(key, None)
+    self._known.discard(key)
+    return self._reads.pop(key, None)
 
   def forget(self, keys: Iterable[Hashable]) -> None:
     """Drops reads that will not be taken (cancelled if not started yet)."""
     with self._lock:
       for key in keys:
-        future = self._reads.pop(key, None)
+        future = self._drop(key)
         if future is not None:
           future.cancel()
 
   def take(self, key: Hashable) -> Any | None:
-    """The value read ahead for `key` (forgotten here), or None: not started, failed, late."""
+    """The value read ahead for `key` (forgotten here), or None: not started, failed, late.
+    A failure is never served nor kept: the caller reads again."""
     with self._lock:
-      future = self._reads.pop(key, None)
+      future = self._drop(key)
+      now = time.monotonic()
+      if self._last_take is not None:
+        gap = now - self._last_take
+        self._take_gap_s = (gap if self._take_gap_s is None
+                            else self._take_gap_s + _SMOOTHING * (gap - self._take_gap_s))
+      self._last_take = now
     if future is None:
       return None
     try:
@@ -99,6 +218,8 @@ class ReadAhead:
       for future in self._reads.values():
         future.cancel()
       self._reads.clear()
+      self._admitted.clear()
+      self._known.clear()
     if pool is not None:
       pool.shutdown(wait=False, cancel_futures=True)
       deadline = time.monotonic() + CLOSE_WAIT_S
@@ -126,10 +247,11 @@ class ReadAheadRecords(grain.MapDataset):
     self._hinted = -1  # the highest index whose read was started (or done by the consumer)
     self._asked = -1  # the last index asked for: (asked, hinted] are read ahead, not taken
     self._files: dict[int, list[str]] = {}  # the files read ahead for those indices
+    self._served: list[str] = []  # files of the record served last: its consumer's to take
 
   def __getstate__(self):
     state = self.__dict__.copy()
-    state.update(_hinted=-1, _asked=-1, _files={})
+    state.update(_hinted=-1, _asked=-1, _files={}, _served=[])
     return state
 
   def __len__(self) -> int:
@@ -144,12 +266,19 @@ class ReadAheadRecords(grain.MapDataset):
       return record, 0
     self._files[index] = paths = list(self._files_of(record))
     for path in paths:
-      self.ahead.start(("file", path), lambda p=path: _sized(self._read_file(p)))
+      self.ahead.start(("file", path), lambda p=path: _sized(self._read_file(p)),
+                       size=_local_size(path))
     return record, _size(getattr(record, "fields", None))
+
+  def _record_size(self, index: int) -> int | None:
+    """The record's size when the source knows it before reading (a JSONL line's length)."""
+    size_of = getattr(self._records, "record_bytes", None)
+    return None if size_of is None else size_of(index)
 
   def _forget_below(self, index: int) -> None:
     stale = [("record", i) for i in range(self._asked + 1, min(index, self._hinted + 1))]
-    self._asked = index
+    stale.extend(("file", path) for path in self._served)  # not taken: dropped before reading
+    self._asked, self._served = index, []
     for passed in [i for i in list(self._files) if i < index]:  # read-ahead threads add keys
       stale.extend(("file", path) for path in self._files.pop(passed, ()))
     self.ahead.forget(stale)
@@ -161,10 +290,15 @@ class ReadAheadRecords(grain.MapDataset):
     record = self.ahead.take(("record", index))
     if record is None:  # read here first: the sources load their arrays on the first read
       record = self._records[index]
-    self._files.pop(index, None)  # its files stay held: the consumer takes them next
-    first, self._hinted = max(self._hinted, index) + 1, max(self._hinted, index + self._depth)
-    for ahead in range(first, min(self._hinted + 1, len(self))):
-      self.ahead.start(("record", ahead), lambda i=ahead: self._read(i))
+    self._served = self._files.pop(index, [])  # held: the consumer takes them next
+    self._hinted = max(self._hinted, index)
+    depth = min(self._depth, max(MIN_DEPTH, 4 * self.ahead.target_in_flight()))
+    for ahead in range(self._hinted + 1, min(index + depth + 1, len(self))):
+      if _mine(ahead) and not self.ahead.start(
+          ("record", ahead), lambda i=ahead: self._read(i), size=self._record_size(ahead),
+          paced=True):
+        break  # the bound is full, or enough in flight: the next call goes on from here
+      self._hinted = ahead
     return record
 
 
@@ -179,6 +313,16 @@ def close_read_ahead(datasets: Iterable[Any]) -> None:
     if isinstance(dataset, ReadAheadRecords):
       dataset.ahead.close()
     todo.extend(dataset.parents)
+
+
+def _local_size(path: str) -> int | None:
+  """A local file's size (one stat); None for an object (a HEAD would cost a request)."""
+  if "://" in path:
+    return None
+  try:
+    return os.stat(path).st_size
+  except OSError:
+    return None  # the consumer's read gives the verdict
 
 
 def _sized(data: bytes) -> tuple[bytes, int]:

@@ -9,6 +9,8 @@ inside each block, so a pass reads every row group once.
 from __future__ import annotations
 
 import dataclasses
+import os
+import posixpath
 import sys
 import threading
 from typing import Any, Sequence
@@ -20,6 +22,7 @@ import pyarrow as pa
 from bagel_grain.drops import Drop, Dropped, DropReason
 from bagel_grain.errors import DatasetError
 from bagel_grain.sources.base import PartOffsets, RecordSource
+from bagel_grain.storage import RetryPolicy, is_transient
 
 
 @dataclasses.dataclass(frozen=True)
@@ -34,15 +37,45 @@ class Record:
   error: Dropped | None = None
 
 
+def location_free_id(record_id: str, dataset: str, roots: Sequence[str | None]) -> str:
+  """`dataset/<path under its root>#row` (or `:line`) for a source's `record_id`: the same
+  whether the dataset lies on a local disk or in a bucket, so keys of runs on copies join.
+
+  `roots` are the folders a dataset's files may lie under (its `data_dir`, the folder of
+  its JSONL); the longest that prefixes the id is cut, else the folders above the file.
+  """
+  best = max((r.rstrip("/") for r in roots if r and record_id.startswith(r.rstrip("/") + "/")),
+             key=len, default=None)
+  if best is None:
+    path, sep, rest = _split_id(record_id)
+    return f"{dataset}/{posixpath.basename(path.replace(os.sep, '/'))}{sep}{rest}"
+  return f"{dataset}/{record_id[len(best) + 1:]}"
+
+
+def _split_id(record_id: str) -> tuple[str, str, str]:
+  """(file, separator, row or line) of `file#row` or `file:line`."""
+  for sep in ("#", ":"):
+    path, found, rest = record_id.rpartition(sep)
+    if found and rest.isdigit():
+      return path, sep, rest
+  return record_id, "", ""
+
+
 class ConcatSource:
   """Several datasets of one group, one after another; records know their dataset.
 
-  A `RecordSource` itself, plus `locate`: which dataset an index falls in.
+  A `RecordSource` itself, plus `locate`: which dataset an index falls in. Given
+  `names` (and `roots`, per dataset the folders its files lie under), record ids
+  are `name/<path under the root>`: independent of where the data lives
+  (`location_free_id`).
   """
 
-  def __init__(self, sources: Sequence[RecordSource], datasets: Sequence[int] | None = None):
+  def __init__(self, sources: Sequence[RecordSource], datasets: Sequence[int] | None = None,
+               *, names: Sequence[str] | None = None,
+               roots: Sequence[Sequence[str | None]] | None = None):
     self._sources = list(sources)
     self._datasets = list(range(len(self._sources)) if datasets is None else datasets)
+    self._names, self._roots = names, roots  # by dataset number
     self._part_offsets: PartOffsets | None = None  # lengths load sources: asked for late
 
   @property
@@ -73,7 +106,7 @@ class ConcatSource:
         parts.append(source.restrict(lo, hi))
         datasets.append(dataset)
       start += n
-    return ConcatSource(parts, datasets)
+    return ConcatSource(parts, datasets, names=self._names, roots=self._roots)
 
   def locate(self, index: int) -> tuple[int, int]:
     """(dataset number, index within that dataset)."""
@@ -88,12 +121,28 @@ class ConcatSource:
     return np.concatenate([s.block_sizes() for s in self._sources]).astype(np.int64)
 
   def record_id(self, index: int) -> str:
-    source, i = self._part(index)
-    return source.record_id(i)
+    part, i = self._offsets.locate(index)
+    record_id = self._sources[part].record_id(i)
+    if self._names is None:
+      return record_id
+    dataset = self._datasets[part]
+    return location_free_id(record_id, self._names[dataset],
+                            self._roots[dataset] if self._roots else ())
 
   def __getitem__(self, index: int):
     source, i = self._part(index)
     return source[i]
+
+  def where(self, index: int) -> str:
+    """Where the record lies: its source's own id (`s3://bucket/vlm/sft.jsonl:12`)."""
+    source, i = self._part(index)
+    return source.record_id(i)
+
+  def record_bytes(self, index: int) -> int | None:
+    """The record's size in bytes when its source knows it unread (JSONL line offsets)."""
+    source, i = self._part(index)
+    size_of = getattr(source, "record_bytes", None)
+    return None if size_of is None else size_of(i)
 
 
 def block_share(num_blocks: int, shard_index: int, shard_count: int) -> tuple[int, int]:
@@ -129,11 +178,17 @@ class ShuffledRecords(grain.MapDataset):
   blocks before anything per record is loaded: rows are numbered from the share's
   first block, a constant shift that leaves the order (a permutation of blocks,
   then of rows inside each) exactly as on the whole source.
+
+  A read that fails for good (the file is gone, or damaged) gives a record carrying
+  its drop; one that fails transiently is retried under `storage` and, past its
+  deadline, raises `StorageUnavailableError` (nothing dropped).
   """
 
   def __init__(self, source: ConcatSource, *, seed: int, shard_index: int = 0,
-               shard_count: int = 1, num_epochs: int | None = None):
+               shard_count: int = 1, num_epochs: int | None = None,
+               storage: RetryPolicy | None = None):
     super().__init__()
+    self._storage = storage or RetryPolicy()
     if source.num_blocks() >= shard_count:
       source = source.restrict(*block_share(source.num_blocks(), shard_index, shard_count))
       share = (0, 1)
@@ -213,6 +268,10 @@ class ShuffledRecords(grain.MapDataset):
     """The id of element `index`'s record, without reading it (for error messages)."""
     return self._source.record_id(self._source_index(index)[1])
 
+  def record_bytes(self, index: int) -> int | None:
+    """Element `index`'s size in bytes if known before reading it (for read-ahead's bound)."""
+    return self._source.record_bytes(self._source_index(index)[1])
+
   def __getitem__(self, index):
     if isinstance(index, slice):
       return self.slice(index)
@@ -220,10 +279,24 @@ class ShuffledRecords(grain.MapDataset):
     dataset, _ = self._source.locate(source_index)
     record_id = self._source.record_id(source_index)
     try:
-      fields = self._source[source_index]
+      fields = self._storage.call(f"record {self._source.where(source_index)}",
+                                  lambda: self._source[source_index])
     except (OSError, pa.ArrowException) as e:  # a file that became unreadable mid-run
+      if is_transient(e):  # a read ahead, which tries once: the consumer reads again
+        raise
       return Record(index, epoch, record_id, dataset,
                     error=Dropped(DropReason.UNREADABLE_FILE, str(e)))
     except Drop as e:  # the source's verdict on this one record
       return Record(index, epoch, record_id, dataset, error=e.dropped)
     return Record(index, epoch, record_id, dataset, fields)
+
+
+def dataset_roots(dataset: Any) -> list[str | None]:
+  """The folders a dataset's record files lie under (a `config.DatasetSpec`): its
+  `data_dir`, and the folder of its JSONL or array_record file(s)."""
+  from bagel_grain import fs  # pylint: disable=import-outside-toplevel
+  roots = [dataset.data_dir]
+  for path in (dataset.jsonl_path, dataset.array_record_path):
+    if path:
+      roots += [path, fs.dirname(path)]
+  return roots

@@ -20,6 +20,12 @@ even halfway through sending a result, closes the only writer of its socket, so
 the pump sees end-of-file or the process sentinel and the packer gets a
 WorkerError instead of hanging. After that the fetcher stays failed.
 
+Storage that keeps failing past its deadline is not a failure of the fetcher: a
+worker (or the inline thread) reports a `StorageUnavailableError` as the outcome
+of that one element, the packer's call raises it, and the element is forgotten,
+so the next call for it computes it again (`bagel_grain.storage`). What storage
+cost (retries, seconds waited) is summed per group into `storage.COUNTS`.
+
 Starting and talking to a worker process: `workers/process.py`.
 """
 
@@ -36,7 +42,10 @@ import weakref
 from multiprocessing.connection import wait
 from typing import Any, Callable, Sequence
 
+from bagel_grain import storage
 from bagel_grain.config import PipelineConfig
+from bagel_grain.errors import StorageUnavailableError
+from bagel_grain.sources import readahead
 from bagel_grain.sources.readahead import close_read_ahead
 from bagel_grain.workers.process import GUARD_HINT, Worker, WorkerError, recv, start_workers
 
@@ -45,12 +54,18 @@ JOBS_PER_WORKER = 4  # handed out ahead, so a worker never idles between results
 _POLL_S = 1.0
 
 
-class _InlineFailure:
-  """An exception raised by an element computed inline, re-raised by the caller."""
+class _Failure:
+  """An exception an element's computation raised (inline, or a worker's retriable storage
+  error), re-raised by the caller; the element is then computed again if asked again."""
 
   def __init__(self, error: BaseException):
     self.error = error
+    self.at = time.monotonic()
 
+  def stale(self, since: float) -> bool:
+    """A storage failure that came in before `since` (while nobody waited for it): storage
+    may be back, so it is computed again rather than raised."""
+    return isinstance(self.error, StorageUnavailableError) and self.at < since
 
 
 class Fetcher:
@@ -58,13 +73,16 @@ class Fetcher:
 
   `describe(group, index)` names an element in errors (group, index and record);
   `timeout_s` bounds one element's computation, and one worker's start-up (at least
-  two minutes).
+  two minutes). `names` (default `group N`) are the groups' names in storage's counters.
   """
 
   def __init__(self, datasets: Sequence[Any], *, workers: int, depths: Sequence[int],
                timeout_s: float = PipelineConfig.element_timeout_s,
-               describe: Callable[[int, int], str] | None = None):
+               describe: Callable[[int, int], str] | None = None,
+               names: Sequence[str] | None = None):
     self._datasets = list(datasets)
+    self._names = list(names) if names is not None else [
+        f"group {g}" for g in range(len(self._datasets))]
     self._depths = list(depths)
     self._timeout_s = float(timeout_s)
     self._describe = describe or (lambda group, index: f"group {group} element {index}")
@@ -88,6 +106,7 @@ class Fetcher:
             f"{e}); every dataset, transform and tokenizer must be picklable. Use workers=0 "
             "to decode in this process.") from e
       self._workers = start_workers(multiprocessing.get_context("spawn"), workers)
+      readahead.set_share(None)  # this process decodes only stragglers: no read-ahead
       self._payload = payload
       self._wake_reader, self._wake = multiprocessing.Pipe(duplex=False)
       self._pump = threading.Thread(target=self._run_pump, name="bagel-grain-fetch",
@@ -134,13 +153,16 @@ class Fetcher:
             or any(key in w.jobs for w in self._workers))
 
   def _take(self, key: tuple[int, int]) -> Any:
+    began = time.monotonic()
     with self._cond:
       while True:
         self._check_inline_deadline()
         self._check()
         if key in self._done:
           value = self._done.pop(key)
-          if isinstance(value, _InlineFailure):
+          if isinstance(value, _Failure):
+            if value.stale(began):
+              continue  # not assigned any more: computed again below
             raise value.error
           return value
         if not self._assigned(key):
@@ -185,10 +207,12 @@ class Fetcher:
           return
         key = self._inline_queue.popleft()
         self._inline_key, self._inline_since = key, time.monotonic()
-      try:
-        value = self._datasets[key[0]][key[1]]
-      except BaseException as e:  # pylint: disable=broad-except  # re-raised by the caller
-        value = _InlineFailure(e)
+      with storage.element_scope() as spent:
+        try:
+          value = self._datasets[key[0]][key[1]]
+        except BaseException as e:  # pylint: disable=broad-except  # re-raised by the caller
+          value = _Failure(e)
+      storage.COUNTS.add(self._names[key[0]], spent)
       with self._cond:
         self._inline_key = None
         self._done[key] = value
@@ -215,9 +239,14 @@ class Fetcher:
           return
 
   def _dispatch(self) -> None:
-    for w in self._workers:
-      while w.stage == "ready" and self._pending and len(w.jobs) < JOBS_PER_WORKER:
-        key = next(iter(self._pending))
+    """Hands each ready worker the pending elements it owns (`readahead.owner`): a worker
+    reads ahead exactly the records it will decode, so each is read by one process."""
+    for n, w in enumerate(self._workers):
+      while w.stage == "ready" and len(w.jobs) < JOBS_PER_WORKER:
+        key = next((k for k in self._pending
+                    if readahead.owner(k[1], len(self._workers)) == n), None)
+        if key is None:
+          break
         del self._pending[key]
         try:
           w.conn.send(key)
@@ -244,13 +273,16 @@ class Fetcher:
       try:
         if w.stage != "ready":
           return self._starting(w, w.conn.recv()[0])
-        status, key, value = recv(w.conn)
+        status, key, value, spent = recv(w.conn)
       except (EOFError, OSError):
         return self._exited(w)
+      storage.COUNTS.add(self._names[key[0]], spent)
       with self._cond:
         w.jobs.remove(key)
         w.since = time.monotonic()
-        if status == "error":
+        if status == "retry":  # storage gave up for now: raised once, computed again if asked
+          value = _Failure(value)
+        elif status == "error":
           self._fail(f"{self._describe(*key)} failed in worker process "
                      f"{w.process.pid}:\n{value}")
           return False
@@ -282,8 +314,10 @@ class Fetcher:
     return True
 
   def _hand_over(self, w: Worker) -> None:
-    """Sends a worker its datasets; blocks only this thread while the worker reads."""
+    """Sends a worker its share of the elements and its datasets; blocks only this thread
+    while the worker reads."""
     try:
+      w.conn.send((self._workers.index(w), len(self._workers)))
       w.conn.send_bytes(self._payload)
     except (OSError, ValueError):
       pass  # the worker exited (the pump reports it) or the fetcher was closed
@@ -365,6 +399,8 @@ class Fetcher:
     self._pending.clear()
     self._done.clear()
     close_read_ahead(self._datasets)
+    if workers:
+      readahead.set_share((0, 1))
 
   def _forget_workers(self) -> None:
     """In a forked child: drop the parent's workers without touching them."""

@@ -23,7 +23,9 @@ import traceback
 from multiprocessing.connection import Connection
 from typing import Any
 
-from bagel_grain.errors import BagelGrainError
+from bagel_grain import storage
+from bagel_grain.sources import readahead
+from bagel_grain.errors import BagelGrainError, StorageUnavailableError
 
 _SOCKET_BUFFER = 4 << 20
 WORKER_NICENESS = 10  # added to the main process's niceness for each worker
@@ -38,21 +40,27 @@ class WorkerError(BagelGrainError):
   """A worker process died, failed or stalled: the stream cannot continue."""
 
 
-def send(conn: Connection, status: str, job: tuple[int, int], value: Any) -> None:
-  """Pickle protocol 5 with the arrays' buffers sent out of band: no copy into the pickle."""
+def send(conn: Connection, status: str, job: tuple[int, int], value: Any,
+         spent: storage.ElementStorage) -> None:
+  """Pickle protocol 5 with the arrays' buffers sent out of band: no copy into the pickle.
+
+  `status` is "ok" (value: the element), "retry" (value: the StorageUnavailableError
+  that a later attempt may not meet) or "error" (value: a traceback, the stream stops);
+  `spent` is what storage cost computing it."""
   buffers: list[pickle.PickleBuffer] = []
   payload = pickle.dumps(value, protocol=5, buffer_callback=buffers.append)
-  conn.send((status, job, len(buffers)))
+  conn.send((status, job, len(buffers), spent.retries, spent.wait_s))
   conn.send_bytes(payload)
   for buffer in buffers:
     conn.send_bytes(buffer.raw())
 
 
-def recv(conn: Connection) -> tuple[str, tuple[int, int], Any]:
-  status, job, count = conn.recv()
+def recv(conn: Connection) -> tuple[str, tuple[int, int], Any, storage.ElementStorage]:
+  status, job, count, retries, wait_s = conn.recv()
   payload = conn.recv_bytes()
   buffers = [conn.recv_bytes() for _ in range(count)]
-  return status, tuple(job), pickle.loads(payload, buffers=buffers)  # arrays view the bytes
+  value = pickle.loads(payload, buffers=buffers)  # arrays view the bytes
+  return status, tuple(job), value, storage.ElementStorage(retries, wait_s)
 
 
 def _widen(conn: Connection) -> None:
@@ -76,28 +84,30 @@ def _worker_main(conn: Connection) -> None:
   signal.signal(signal.SIGTERM, signal.SIG_DFL)  # whatever the re-imported main script set
   try:
     _widen(conn)
-    conn.send(("hello", None, 0))
+    conn.send(("hello", None, 0, 0, 0.0))
     try:
+      readahead.set_share(tuple(conn.recv()))  # the elements this worker decodes
       datasets = pickle.loads(conn.recv_bytes())
     except (EOFError, OSError):
       return
     except BaseException:  # pylint: disable=broad-except  # reported, then this worker ends
-      conn.send(("failed", None, 0))
+      conn.send(("failed", None, 0, 0, 0.0))
       conn.send_bytes(pickle.dumps(traceback.format_exc()))
       return
-    conn.send(("ready", None, 0))
+    conn.send(("ready", None, 0, 0, 0.0))
     while True:
       job = conn.recv()
       if job is None:
         return
       group, index = job
-      try:
-        value = datasets[group][index]
-      except Exception:  # pylint: disable=broad-except  # reported, then the stream stops
-        conn.send(("error", job, 0))
-        conn.send_bytes(pickle.dumps(traceback.format_exc()))
-        continue
-      send(conn, "ok", job, value)
+      with storage.element_scope() as spent:
+        try:
+          status, value = "ok", datasets[group][index]
+        except StorageUnavailableError as e:  # the main process raises it; a retry may pass
+          status, value = "retry", e
+        except Exception:  # pylint: disable=broad-except  # reported, then the stream stops
+          status, value = "error", traceback.format_exc()
+      send(conn, status, job, value, spent)
   except (EOFError, OSError):
     return  # the main process closed our socket or went away
 

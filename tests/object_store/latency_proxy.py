@@ -1,14 +1,14 @@
 """A TCP proxy that holds back each request by a fixed delay: object-store latency on demand.
 
-Between a client and a server on 127.0.0.1 (tests, `bagel-grain bench`): every
+Between a client and a server on 127.0.0.1 (tests, `tools/storage_bench.py`): every
 time the client starts sending after the server has answered (a new HTTP
 request on a kept-alive connection, or the first bytes of a new connection),
 the proxy waits `delay_s` before passing the bytes on. Connections are served
 by their own threads, so concurrent requests wait concurrently, as they would
 on a real network; only latency is added, never a bandwidth limit.
 
-`python -m bagel_grain.latency_proxy PORT DELAY_MS` runs one in its own process
-(see `storage_servers`): it prints the port it listens on and stops when its
+`python latency_proxy.py PORT DELAY_MS` runs one in its own process
+(see `servers.py`): it prints the port it listens on and stops when its
 standard input closes.
 """
 

@@ -1,11 +1,15 @@
 """Object-store servers on 127.0.0.1 for the tests and the bench, each in a child process.
 
 - S3: moto's `ThreadedMotoServer` (the `test` extra), read by pyarrow's `S3FileSystem`.
+  It closes each connection after one answer; `fault_proxy` in front keeps client
+  connections open, as real S3 does.
 - GCS: `gcp-storage-emulator` (the `test` extra), read by pyarrow's `GcsFileSystem`.
   It must run in a process of its own: with the emulator's thread in the reading
   process, pyarrow's GCS file reads stall for good (the reading call keeps the
   interpreter lock while it waits, so the emulator's thread never answers).
 - `delay_ms` / `proxy_port`: a `latency_proxy` process in front of the server.
+- `fault_proxy()`: a `fault_proxy` process in front of the server, told what to
+  break and for how long (`FaultProxy`).
 
 Every child prints its port, serves until its standard input closes (when the
 parent stops it, or dies), then exits; `stop()` also kills a child that lingers.
@@ -15,12 +19,15 @@ The environment a client needs (endpoint, test credentials) comes from
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
+from typing import Any
 
 from pyarrow import fs as pafs
 
+_HERE = os.path.dirname(os.path.abspath(__file__))
 _ACCESS = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
            "AWS_DEFAULT_REGION": "us-east-1"}
 
@@ -37,6 +44,15 @@ class _Child:
       self.stop()
       raise RuntimeError(f"{' '.join(args)} did not start (said {line!r})")
     self.port = int(line)
+
+  def ask(self, command: dict[str, Any]) -> dict[str, Any]:
+    """Sends one JSON command line; its JSON answer line."""
+    self._process.stdin.write(json.dumps(command) + "\n")
+    self._process.stdin.flush()
+    answer = json.loads(self._process.stdout.readline())
+    if not answer["ok"]:
+      raise RuntimeError(answer["error"])
+    return answer
 
   def stop(self) -> None:
     try:
@@ -58,15 +74,24 @@ class LocalObjectStore:
     if kind not in ("s3", "gcs"):
       raise ValueError(f"kind must be 's3' or 'gcs', not {kind!r}")
     self.kind, self.bucket = kind, bucket
-    self._server = _Child(["-m", __name__, kind, bucket])
+    self._server = _Child([os.path.join(_HERE, "servers.py"), kind, bucket])
     self._proxies: list[_Child] = []
     self.port = self.proxy_port(delay_ms) if delay_ms else self._server.port
 
   def proxy_port(self, delay_ms: float) -> int:
     """The port of a new latency proxy in front of the server (stopped with it)."""
-    proxy = _Child(["-m", "bagel_grain.latency_proxy", str(self._server.port), str(delay_ms)])
+    proxy = _Child([os.path.join(_HERE, "latency_proxy.py"), str(self._server.port),
+                    str(delay_ms)])
     self._proxies.append(proxy)
     return proxy.port
+
+  def fault_proxy(self, delay_ms: float = 0) -> FaultProxy:
+    """A new fault-injecting proxy in front of the server (stopped with it), a keep-alive
+    endpoint that holds back each request by `delay_ms`."""
+    child = _Child([os.path.join(_HERE, "fault_proxy.py"), str(self._server.port),
+                    str(delay_ms)])
+    self._proxies.append(child)
+    return FaultProxy(child)
 
   def environment(self, port: int | None = None) -> dict[str, str]:
     """The variables that point `bagel_grain.fs` at this server (through `port`)."""
@@ -98,6 +123,16 @@ class LocalObjectStore:
           out.write(f.read())
     return self.uri(prefix)
 
+  def upload_file(self, local_path, key: str) -> None:
+    """Copies one local file to `key` under the bucket."""
+    with open(local_path, "rb") as f, self.filesystem().open_output_stream(
+        f"{self.bucket}/{key}") as out:
+      out.write(f.read())
+
+  def delete(self, key: str) -> None:
+    """Deletes one object (a key under the bucket), directly on the server."""
+    self.filesystem().delete_file(f"{self.bucket}/{key}")
+
   def stop(self) -> None:
     for child in [*self._proxies, self._server]:
       child.stop()
@@ -108,6 +143,31 @@ class LocalObjectStore:
 
   def __exit__(self, *exc) -> None:
     self.stop()
+
+
+class FaultProxy:
+  """Tells a `fault_proxy` process what to break: `fault("reset", seconds=10)`,
+  `fault("503", count=3, match="images/a.jpg")`, `clear()`; `counts()` of connections,
+  requests by method and faults injected."""
+
+  def __init__(self, child: _Child):
+    self._child, self.port = child, child.port
+
+  def fault(self, kind: str, *, seconds: float | None = None, count: int | None = None,
+            match: str = "") -> None:
+    command = {"action": "fault", "kind": kind, "match": match}
+    command.update({k: v for k, v in (("seconds", seconds), ("count", count)) if v is not None})
+    self._child.ask(command)
+
+  def clear(self) -> None:
+    self._child.ask({"action": "clear"})
+
+  def counts(self) -> dict[str, int]:
+    return self._child.ask({"action": "counts"})["counts"]
+
+  def targets(self) -> dict[str, int]:
+    """Requests so far by "METHOD target" (the target URL-decoded)."""
+    return self._child.ask({"action": "targets"})["counts"]
 
 
 def _serve_s3(bucket: str) -> None:
