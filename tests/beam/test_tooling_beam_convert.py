@@ -46,7 +46,7 @@ def test_a_bundle_failing_on_its_first_attempt_is_retried_without_duplicates(in_
 
 @pytest.mark.parametrize("kind", ["s3", "gcs"])
 def test_shards_are_uploaded_to_a_bucket(in_process, kind, monkeypatch):
-  from bagel_grain.storage_servers import LocalObjectStore  # the storage servers, as they are
+  from object_store import LocalObjectStore  # the tests' local S3 and GCS servers
   config, expected = in_process
   with LocalObjectStore(kind) as store:
     for name, value in store.environment().items():

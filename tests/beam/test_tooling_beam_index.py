@@ -48,7 +48,7 @@ def test_byte_ranges_assemble_the_lines_of_a_file_without_a_final_newline(tmp_pa
 
 
 def test_remote_data_is_indexed_in_its_bucket(demo_dir, tmp_path, monkeypatch):
-  from bagel_grain.storage_servers import LocalObjectStore  # the storage servers, as they are
+  from object_store import LocalObjectStore  # the tests' local S3 and GCS servers
   config = demo_copy(demo_dir, tmp_path)
   with LocalObjectStore("s3") as store:
     for name, value in store.environment().items():
