@@ -104,9 +104,28 @@ def test_a_step_holding_a_shard_file_of_another_save_is_refused(data, demo_token
   shutil.copy(steps / "1" / "data" / "shard_state_1-of-2.json",
               steps / "2" / "data" / "shard_state_1-of-2.json")
   with pipeline(cfg, demo_tokenizer) as it:
-    with pytest.raises(StateMismatchError, match=r"logical shard 1 was saved by another save "
-                                                 r"\(\{'step': 1.*logical shard 0 \(\{'step': 2"):
+    with pytest.raises(StateMismatchError, match=r"mixes shard files of different saves "
+                                                 r"\(shard_state_0-of-2.json from \{\"run\": "
+                                                 r".*\"step\": 2\}; shard_state_1-of-2.json "
+                                                 r"from \{.*\"step\": 1\}\)"):
       restore(manager, 2, {"w": jnp.zeros(2)}, it)
+
+
+def test_a_step_holding_the_one_shard_file_of_another_step_is_refused(data, demo_tokenizer,
+                                                                      tmp_path):
+  cfg = config(data)  # one shard, read by the one process: nothing to compare it with
+  manager = checkpoint_manager(str(tmp_path / "checkpoints"))
+  with pipeline(cfg, demo_tokenizer) as it:
+    for step in (1, 2):
+      take(it, 2)
+      save(manager, step, {"w": jnp.zeros(2)}, it)
+  steps = tmp_path / "checkpoints"
+  shutil.copy(steps / "1" / "data" / "shard_state_0-of-1.json",
+              steps / "2" / "data" / "shard_state_0-of-1.json")
+  with pipeline(cfg, demo_tokenizer) as it:
+    with pytest.raises(StateMismatchError, match="saved at step 1, not at step 2 being restored"):
+      restore(manager, 2, {"w": jnp.zeros(2)}, it)
+    assert it.get_state()["shards"]["0"]["rows"] == 0  # where it was
 
 
 def test_a_shard_file_that_is_not_of_the_states_shard_count_is_refused(data, demo_tokenizer,
@@ -264,3 +283,34 @@ def test_the_stage_schedule_example_runs_and_packs_each_record_once(demo_dir):
                         timeout=300, check=False)
   assert done.returncode == 0, done.stderr[-2000:]
   assert "every record of the epoch packed once: yes" in done.stdout
+
+
+def test_a_dataset_named_with_dots_is_named_whole(data, demo_tokenizer):
+  def dotted(cfg):
+    vlm = cfg.groups[2]
+    renamed = dataclasses.replace(vlm, datasets=(dataclasses.replace(vlm.datasets[0],
+                                                                     name="llava_v1.5"),))
+    return dataclasses.replace(cfg, groups=(*cfg.groups[:2], renamed))
+
+  _, state = saved_after(dotted(config(data)), demo_tokenizer, 2)
+  append_lines(data, 3)
+  with pipeline(dotted(config(data)), demo_tokenizer) as it:
+    with pytest.raises(StateMismatchError, match=r"dataset 'llava_v1.5' under .*: sft.jsonl: "
+                                                 r"bytes \d+ -> \d+; blocks 60 -> 63"):
+      it.set_state(state)
+
+
+def test_the_same_jsonl_named_relatively_or_absolutely_is_the_same_manifest(data, monkeypatch):
+  from bagel_grain.config import DatasetSpec
+  from bagel_grain.sources.manifest import dataset_manifest
+  monkeypatch.chdir(data)
+
+  class Lines:  # what the manifest asks of a source
+    def num_blocks(self):
+      return 60
+
+  relative = DatasetSpec("d", "vlm", jsonl_path="vlm/sft.jsonl")
+  absolute = DatasetSpec("d", str(data / "vlm"), jsonl_path=str(data / "vlm" / "sft.jsonl"))
+  assert (dataset_manifest(relative, "jsonl", Lines()).files
+          == dataset_manifest(absolute, "jsonl", Lines()).files == (("sft.jsonl", (
+              data / "vlm" / "sft.jsonl").stat().st_size),))

@@ -89,7 +89,7 @@ def restore(manager: ocp.CheckpointManager, step: int | None, state_template: An
     raise FileNotFoundError(f"no checkpoint in {manager.directory}")
   restored = manager.restore(step, args=ocp.args.Composite(**{
       STATE: ocp.args.StandardRestore(state_template),
-      DATA: ShardStatesRestore(iterator, allow_changes=allow_changes)}))
+      DATA: ShardStatesRestore(iterator, allow_changes=allow_changes, step=step)}))
   return restored[STATE]
 
 
@@ -157,6 +157,7 @@ class ShardStatesHandler:
           f"the checkpoint in {directory} does not hold exactly the {count} logical shards "
           f"it was saved with (files of no such shard: {extra or 'none'}; shards without a "
           f"file: {missing or 'none'}): a copy gone wrong? Restore from a complete step")
+    _check_one_save(directory, sorted(files), args.step)
     paths = [directory / f"shard_state_{shard}-of-{count}.json"
              for shard in shards.served(served)]
     parts = []
@@ -189,6 +190,27 @@ class ShardStatesHandler:
     return f"{cls.__module__}.{cls.__qualname__}"
 
 
+def _check_one_save(directory: epath.Path, names: list[str], step: int | None) -> None:
+  """Every shard file of the step (not only those this process reads) names one save, and
+  that save is of `step`; files written before saves were named pass."""
+  saves: dict[str, list[str]] = {}
+  for name in names:
+    with _naming([directory / name]):
+      part = json.loads((directory / name).read_text())
+    save = part.get("save") if isinstance(part, dict) else None
+    saves.setdefault(json.dumps(save, sort_keys=True), []).append(name)
+  if len(saves) > 1:
+    found = "; ".join(f"{', '.join(files)} from {save}" for save, files in saves.items())
+    raise StateMismatchError(f"the checkpoint in {directory} mixes shard files of different "
+                             f"saves ({found}): a copy gone wrong, a partial sync? Restore "
+                             "from a complete step")
+  save = json.loads(next(iter(saves)))
+  if step is not None and isinstance(save, dict) and save.get("step") != step:
+    raise StateMismatchError(f"the shard files in {directory} were saved at step "
+                             f"{save.get('step')}, not at step {step} being restored: a copy "
+                             "gone wrong? Restore from a complete step")
+
+
 def _manifests(path: epath.Path) -> dict[str, dict[str, Manifest]] | None:
   """The data manifests a checkpoint kept (None for one written before they were kept)."""
   if not path.exists():
@@ -213,3 +235,4 @@ class ShardStatesSave(ocp.args.CheckpointArgs):
 class ShardStatesRestore(ocp.args.CheckpointArgs):
   item: Any
   allow_changes: bool = False
+  step: int | None = None  # the step restored, which every shard file must name

@@ -110,10 +110,11 @@ def _classified(changes: Changes) -> tuple[list[str], list[str], list[str]]:
     parts = key.split(".")
     detail = (f"{_name(key)}: saved {changes.saved.get(key, '(none)')!r}, "
               f"now {changes.ours.get(key, '(none)')!r}")
-    if parts[0] == "data" and len(parts) >= 3:
+    if parts[0] == "data" and len(parts) >= 4:
       if parts[1] in moved:
         continue  # part of the group's coming or going
-      datasets.setdefault((parts[1], parts[2]), None)
+      # data.<group>.<dataset>.<field>: a dataset's name may hold dots, a family's not.
+      datasets.setdefault((parts[1], key[len(f"data.{parts[1]}."):].rsplit(".", 1)[0]), None)
     elif key.startswith("config.groups.") and len(parts) >= 3:
       if parts[2] in moved:
         verb = "added" if parts[2] in changes.our_groups else "removed"
@@ -159,16 +160,22 @@ def _regrouped(stages: dict[str, Any], saved: Sequence[str],
   for shard, entry in _mapping(stages.get("shards")).items():
     entry = dict(_mapping(entry))
     packer = dict(_mapping(entry.get("packer")))
-    packer["next_index"] = list(packer.get("next_index", []))[:n] + [0] * (len(ours) - n)
+    next_index = packer.get("next_index")
+    if isinstance(next_index, list):  # else left as it is: parsing names it
+      packer["next_index"] = next_index[:n] + [0] * (len(ours) - n)
     for field in ("buffer", "carried"):
+      keys = packer.get(field)
+      if not isinstance(keys, list):
+        continue  # malformed: parsing names it
       keep = []
-      for key in packer.get(field, []):
+      for key in keys:
         if key == EMPTY:
           continue
-        if isinstance(key, list) and key and isinstance(key[0], int) and key[0] >= n:
+        if (isinstance(key, list) and key and isinstance(key[0], int)
+            and n <= key[0] < len(saved)):
           lost[saved[key[0]]] += 1
         else:
-          keep.append(key)
+          keep.append(key)  # ours, or malformed: parsing names it
       packer[field] = keep  # read as a list of the samples alone, as version 2 wrote it
     packer["stats"] = _regrouped_stats(_mapping(packer.get("stats")), ours)
     entry["packer"] = packer

@@ -49,10 +49,10 @@ class StageIterator(grain.DatasetIterator):
       node = nodes.pop()
       summary = getattr(node, "_summary", None)
       if summary is not None:  # an execution-statistics node (stage timing is on)
-        pending = sum(t.duration_ns for t in list(node._self_times_buffer))
+        reported = summary.total_processing_time_ns  # read first: a drain only moves time here
+        pending = sum(t.duration_ns for t in list(node._self_times_buffer) if t.num_elements > 0)
         name = node._config.name.split("(")[0]
-        seconds[name] = seconds.get(name, 0.0) + (summary.total_processing_time_ns
-                                                  + pending) / 1e9
+        seconds[name] = seconds.get(name, 0.0) + (reported + pending) / 1e9
       nodes.extend(node._parents)
     return seconds
 

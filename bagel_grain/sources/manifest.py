@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import os
 from typing import Any, Mapping, Sequence
 
 from bagel_grain import fs
@@ -64,6 +65,9 @@ def dataset_manifest(spec: DatasetSpec, record_format: str, source: RecordSource
 
 
 def _relative(path: str, root: str) -> str:
+  """`path` under `root`, both made absolute first when local (a config may give either)."""
+  if not fs.is_uri(path):
+    path, root = os.path.abspath(path), os.path.abspath(root)
   return path[len(root):].lstrip("/") if path.startswith(root) else path
 
 
