@@ -93,16 +93,21 @@ def test_a_parquet_file_added_is_refused_and_the_checkpoint_names_it(data, demo_
       restore(manager, None, {"w": jnp.zeros(2)}, it)
 
 
-def test_a_step_holding_a_shard_file_of_another_save_is_refused(data, demo_tokenizer, tmp_path):
-  cfg = config(data, logical_shards=2)
+def step_2_with_a_file_of_step_1(cfg, tokenizer, tmp_path, name):
+  """A checkpoint of steps 1 and 2 whose step 2 holds step 1's shard file `name`."""
   manager = checkpoint_manager(str(tmp_path / "checkpoints"))
-  with pipeline(cfg, demo_tokenizer) as it:
+  with pipeline(cfg, tokenizer) as it:
     for step in (1, 2):
       take(it, 2)
       save(manager, step, {"w": jnp.zeros(2)}, it)
   steps = tmp_path / "checkpoints"
-  shutil.copy(steps / "1" / "data" / "shard_state_1-of-2.json",
-              steps / "2" / "data" / "shard_state_1-of-2.json")
+  shutil.copy(steps / "1" / "data" / name, steps / "2" / "data" / name)
+  return manager
+
+
+def test_a_step_holding_a_shard_file_of_another_save_is_refused(data, demo_tokenizer, tmp_path):
+  cfg = config(data, logical_shards=2)
+  manager = step_2_with_a_file_of_step_1(cfg, demo_tokenizer, tmp_path, "shard_state_1-of-2.json")
   with pipeline(cfg, demo_tokenizer) as it:
     with pytest.raises(StateMismatchError, match=r"mixes shard files of different saves "
                                                  r"\(shard_state_0-of-2.json from \{\"run\": "
@@ -114,14 +119,7 @@ def test_a_step_holding_a_shard_file_of_another_save_is_refused(data, demo_token
 def test_a_step_holding_the_one_shard_file_of_another_step_is_refused(data, demo_tokenizer,
                                                                       tmp_path):
   cfg = config(data)  # one shard, read by the one process: nothing to compare it with
-  manager = checkpoint_manager(str(tmp_path / "checkpoints"))
-  with pipeline(cfg, demo_tokenizer) as it:
-    for step in (1, 2):
-      take(it, 2)
-      save(manager, step, {"w": jnp.zeros(2)}, it)
-  steps = tmp_path / "checkpoints"
-  shutil.copy(steps / "1" / "data" / "shard_state_0-of-1.json",
-              steps / "2" / "data" / "shard_state_0-of-1.json")
+  manager = step_2_with_a_file_of_step_1(cfg, demo_tokenizer, tmp_path, "shard_state_0-of-1.json")
   with pipeline(cfg, demo_tokenizer) as it:
     with pytest.raises(StateMismatchError, match="saved at step 1, not at step 2 being restored"):
       restore(manager, 2, {"w": jnp.zeros(2)}, it)
