@@ -202,7 +202,6 @@ class VLMTransform(FamilyTransform):
         [decoded[image]] = self.load(files.read(image) if data is None else data, target)
       pixels.append(decoded[image])
     return pixels
-    return Sample(tuple(plan), text_ids, tuple(pixels), num_tokens, self.key(record), notes)
 
   def _resized_sizes(self, files: FileStore, images: list, img_num: int
                      ) -> tuple[list[tuple[int, int]], dict[str, bytes]]:

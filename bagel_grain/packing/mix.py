@@ -23,7 +23,6 @@ from typing import Any, Callable, Protocol, Sequence
 import grain
 import numpy as np
 
-from bagel_grain.drops import Dropped
 from bagel_grain.errors import StateMismatchError
 from bagel_grain.packing.drop_policy import BadRecordLimits, DropPolicy
 from bagel_grain.workers import Fetcher

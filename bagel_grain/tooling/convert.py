@@ -35,7 +35,6 @@ from array_record.python import array_record_module
 from bagel_grain import fs
 from bagel_grain.config import DatasetSpec, GroupConfig, PipelineConfig, load_config
 from bagel_grain.errors import DatasetError
-from bagel_grain.families.video import DEFAULT_MAX_VIDEO_BYTES
 from bagel_grain.sources import framing
 from bagel_grain.sources.array_record import SUFFIX
 from bagel_grain.sources.base import RecordSource
