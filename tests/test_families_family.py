@@ -43,7 +43,7 @@ def test_a_family_reads_its_format_and_builds_its_transform(demo_config, demo_to
   assert edit.vit_transform == demo_config.groups[1].vit_image_transform
   vlm = family_transform(demo_config, 2, demo_tokenizer)
   assert vlm.vit_transform == demo_config.groups[2].image_transform  # its one image role
-  assert vlm.frame_sampler == demo_config.groups[2].frame_sampler
+  assert vlm.frame_sampler == demo_config.groups[2].options.frame_sampler
   assert vlm.data_dirs == (demo_config.groups[2].datasets[0].data_dir,)
 
 
