@@ -192,6 +192,13 @@ ERRORS = {
                _where("vlm_sft", "frame_sampler_args.sample")),
   "unknown_frame_key": (f"{VLM}.frame_sampler_args", {"fps": 2},
                         _where("vlm_sft", "fps")),
+  # A family's own option (VLM's frame sampler) on a group of another family: refused, not
+  # ignored (a T2I row has no video to sample).
+  "frames_on_t2i": (f"{T2I}.frame_sampler_args", {"max_num_frames": 4, "min_num_frames": 2},
+                    "`frame_sampler_args` is an option of vlm_sft groups only.*"
+                    + _where("t2i_pretrain", "frame_sampler_args")),
+  "frames_on_edit": (f"{EDIT}.frame_sampler_args", {}, "option of vlm_sft groups only.*"
+                     + _where("unified_edit", "frame_sampler_args")),
   "video_bytes_zero": ("max_video_bytes", 0, _where(None, "max_video_bytes")),
   "video_frames_zero": ("max_video_frames", 0, _where(None, "max_video_frames")),
   "per_sample_over_max": ("max_num_tokens_per_sample", 40000,
