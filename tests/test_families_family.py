@@ -105,9 +105,6 @@ class CaptionOptions(GroupOptions):
       raise ConfigError("must be a string", file=file, group=group, key="caption_prefix")
     return cls(prefix)
 
-  def fingerprint(self):
-    return {"caption_prefix": self.prefix}
-
 
 CAPTIONS = Family(name="caption_sft", transform=CaptionTransform, image_roles={},
                   columns=("text",), drop_reasons=RECORD_REASONS | {DropReason.WRONG_TYPE},

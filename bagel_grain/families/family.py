@@ -31,8 +31,9 @@ class GroupOptions:
   """The group keys a family reads beyond those every group has, parsed: none here.
 
   A family with options of its own subclasses it: its fields with their defaults,
-  `KEYS` (the YAML keys it reads), `parse` and `fingerprint`. A group of another
-  family that sets one of those keys is refused when the config loads.
+  `KEYS` (the YAML keys it reads) and `parse`; `fingerprint` when its entries must
+  hash as an earlier version hashed them. A group of another family that sets one
+  of those keys is refused when the config loads.
   """
 
   KEYS: ClassVar[frozenset[str]] = frozenset()
@@ -45,13 +46,15 @@ class GroupOptions:
     return cls()
 
   def fingerprint(self) -> dict[str, Any]:
-    """The options as the group's stream fingerprint hashes them, beside its other fields.
+    """The options as the group's stream fingerprint hashes them, beside its other fields:
+    every field, so that a restore under other options is refused.
 
     Before families declared their options, every group held upstream's default
-    frame sampler and hashed it (`sample` left out): a family without options hashes
-    that entry still, so the states saved then restore.
+    frame sampler and hashed it (`sample` left out): a family without that option
+    hashes the entry still, so the states saved then restore.
     """
-    return {"frame_sampler": {"max_num_frames": 12, "min_num_frames": 8}}
+    return {"frame_sampler": {"max_num_frames": 12, "min_num_frames": 8},
+            **dataclasses.asdict(self)}
 
 
 def _no_transform_args(group: GroupConfig) -> dict[str, Any]:
