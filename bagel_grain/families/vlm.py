@@ -341,9 +341,10 @@ class VLMOptions(GroupOptions):
 
   @classmethod
   def parse(cls, raw: Mapping[str, Any], *, file: str, group: str) -> VLMOptions:
-    if "frame_sampler_args" not in raw:
+    key = "frame_sampler_args"
+    if key not in raw:
       return cls()
-    key, args = "frame_sampler_args", raw["frame_sampler_args"]
+    args = raw[key]
     if not isinstance(args, Mapping):
       raise ConfigError("must be a mapping", file=file, group=group, key=key)
     check_keys(args, {"max_num_frames", "min_num_frames", "sample"}, file=file, group=group,
