@@ -11,17 +11,16 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import numbers
 import os
 from typing import Any, Mapping
 
 from bagel_grain import fs, recipe
+from bagel_grain.config_values import check_keys, check_range, key_name, number
 from bagel_grain.config_yaml import load_yaml_file, shown
 from bagel_grain.errors import ConfigError
-from bagel_grain.families.family import Family
+from bagel_grain.families.family import Family, GroupOptions
 from bagel_grain.families.registry import FAMILIES
 from bagel_grain.families.video import DEFAULT_MAX_VIDEO_BYTES, DEFAULT_MAX_VIDEO_FRAMES
-from bagel_grain.families.video import FrameSamplerArgs, check_sample_mode
 from bagel_grain.images import DEFAULT_MAX_IMAGE_BYTES, DEFAULT_MAX_PIXELS, ImageTransform
 from bagel_grain.sources.parquet import DEFAULT_CACHE_BYTES
 
@@ -50,11 +49,11 @@ class GroupConfig:
 
   name: str
   datasets: tuple[DatasetSpec, ...]
+  options: GroupOptions  # the family's own keys, parsed: an instance of `family.options`
   weight: float = 1.0
   is_mandatory: bool = False
   image_transform: ImageTransform | None = None
   vit_image_transform: ImageTransform | None = None
-  frame_sampler: FrameSamplerArgs = FrameSamplerArgs()
   shuffle_lines: bool = False
   shuffle_seed: int = 0
 
@@ -172,9 +171,10 @@ _RANGES: dict[str, tuple[float | None, float | None]] = {
 }
 _PATH_KINDS = {"data_dir": ("folder",), "jsonl_path": ("file",), "parquet_info_path": ("file",),
                "array_record_path": ("file", "folder")}
+# The keys every group takes; a family adds its own (`Family.options`).
 _GROUP_KEYS = {"dataset_names", "weight", "is_mandatory", "num_used_data",
-               "image_transform_args", "vit_image_transform_args", "frame_sampler_args",
-               "shuffle_lines", "shuffle_seed", "resume_data_status"}
+               "image_transform_args", "vit_image_transform_args", "shuffle_lines",
+               "shuffle_seed", "resume_data_status"}
 _INFO_KEYS = {"data_dir", "jsonl_path", "parquet_info_path", "array_record_path", "num_files",
               "num_total_samples"}
 _TRANSFORM_KEYS = {"image_stride", "max_image_size", "min_image_size", "max_pixels"}
@@ -191,49 +191,17 @@ def _section(value: Any, base_dir: str, file: str, key: str) -> tuple[Mapping, s
   return value, base_dir, file
 
 
-def _number(value: Any, kind: type, *, file: str, group: str | None, key: str):
-  ok = isinstance(value, numbers.Real) and not isinstance(value, bool)
-  if kind is int:
-    ok = ok and float(value).is_integer()
-  if not ok:
-    raise ConfigError(f"`{key}` must be a {'whole number' if kind is int else 'number'}, "
-                      f"got {shown(value)}", file=file, group=group, key=key)
-  return kind(value)
-
-
-def _check_range(value: float, least: float | None, greatest: float | None, *, file: str,
-                 group: str | None, key: str) -> None:
-  if not ((least is None or value >= least) and (greatest is None or value <= greatest)):
-    bounds = (f"between {least} and {greatest}" if least is not None and greatest is not None
-              else f">= {least}" if least is not None else f"<= {greatest}")
-    raise ConfigError(f"`{key}` must be {bounds}, got {shown(value)}", file=file, group=group,
-                      key=key)
-
-
-def _key_name(key: Any) -> str:
-  """A key as error messages name it: itself when a short string, else its short repr."""
-  return key if isinstance(key, str) and len(key) <= 80 else shown(key)
-
-
-def _check_keys(mapping: Mapping, allowed: set[str], *, file: str, group: str | None,
-                where: str):
-  for key in mapping:
-    if key not in allowed:
-      raise ConfigError(f"unknown key in {where}; allowed: {sorted(allowed)}",
-                        file=file, group=group, key=_key_name(key))
-
-
 def _transform(raw: Any, *, file: str, group: str, key: str) -> ImageTransform:
   if not isinstance(raw, Mapping):
     raise ConfigError("must be a mapping", file=file, group=group, key=key)
-  _check_keys(raw, _TRANSFORM_KEYS, file=file, group=group, where=key)
+  check_keys(raw, _TRANSFORM_KEYS, file=file, group=group, where=key)
   for required in ("image_stride", "max_image_size", "min_image_size"):
     if required not in raw:
       raise ConfigError(f"missing `{required}`", file=file, group=group, key=key)
-  values = {k: _number(v, int, file=file, group=group, key=f"{key}.{k}")
+  values = {k: number(v, int, file=file, group=group, key=f"{key}.{k}")
             for k, v in raw.items()}
   for k, v in values.items():
-    _check_range(v, 1, None, file=file, group=group, key=f"{key}.{k}")
+    check_range(v, 1, None, file=file, group=group, key=f"{key}.{k}")
   if values["min_image_size"] > values["max_image_size"]:
     raise ConfigError(f"min_image_size {values['min_image_size']} exceeds max_image_size "
                       f"{values['max_image_size']}", file=file, group=group, key=key)
@@ -264,7 +232,7 @@ def _datasets(family: Family, raw: Mapping, info: Mapping, info_dir: str, info_f
     if not isinstance(entry, Mapping):
       raise ConfigError(f"dataset {shown(name)} is not in `dataset_info`", file=info_file,
                         group=group, key=name)
-    _check_keys(entry, _INFO_KEYS, file=info_file, group=group, where=f"dataset_info.{name}")
+    check_keys(entry, _INFO_KEYS, file=info_file, group=group, where=f"dataset_info.{name}")
     paths = {}
     for key in ("data_dir", "jsonl_path", "parquet_info_path", "array_record_path"):
       if key not in entry:
@@ -288,10 +256,22 @@ def _datasets(family: Family, raw: Mapping, info: Mapping, info_dir: str, info_f
       raise ConfigError("this family's datasets need `jsonl_path` (or `array_record_path`)",
                         file=info_file, group=group, key=f"{name}.jsonl_path")
     if n is not None:
-      n = _number(n, int, file=file, group=group, key="num_used_data")
-      _check_range(n, 1, None, file=file, group=group, key="num_used_data")
+      n = number(n, int, file=file, group=group, key="num_used_data")
+      check_range(n, 1, None, file=file, group=group, key="num_used_data")
     specs.append(DatasetSpec(name=name, num_used_data=n, **paths))
   return tuple(specs)
+
+
+def _check_group_keys(family: Family, raw: Mapping, file: str) -> None:
+  """The keys every group takes and the family's own options; another family's option is
+  refused as such, naming its family."""
+  allowed = _GROUP_KEYS | family.options.KEYS
+  for key in raw:
+    owners = [f.name for f in FAMILIES.values() if key in f.options.KEYS]
+    if key not in allowed and owners:
+      raise ConfigError(f"`{key}` is an option of {' and '.join(owners)} groups only, not of "
+                        f"{family.name}", file=file, group=family.name, key=key)
+  check_keys(raw, allowed, file=file, group=family.name, where="grouped_datasets")
 
 
 def _group(name: str, raw: Any, info: Mapping, info_dir: str, info_file: str,
@@ -299,14 +279,14 @@ def _group(name: str, raw: Any, info: Mapping, info_dir: str, info_file: str,
   family = FAMILIES.get(name)
   if family is None:
     raise ConfigError(f"unknown dataset family; known: {list(FAMILIES)}", file=file,
-                      group=_key_name(name), key=_key_name(name))
+                      group=key_name(name), key=key_name(name))
   if not isinstance(raw, Mapping):
     raise ConfigError("a group must be a mapping", file=file, group=name, key=name)
-  _check_keys(raw, _GROUP_KEYS, file=file, group=name, where="grouped_datasets")
+  _check_group_keys(family, raw, file)
   kwargs: dict[str, Any] = {"name": name}
   kwargs["datasets"] = _datasets(family, raw, info, info_dir, info_file, file)
   if "weight" in raw:
-    kwargs["weight"] = _number(raw["weight"], float, file=file, group=name, key="weight")
+    kwargs["weight"] = number(raw["weight"], float, file=file, group=name, key="weight")
     if not 0 <= kwargs["weight"] < float("inf"):  # also refuses nan
       raise ConfigError("`weight` must be a finite number >= 0", file=file, group=name,
                         key="weight")
@@ -316,31 +296,14 @@ def _group(name: str, raw: Any, info: Mapping, info_dir: str, info_file: str,
         raise ConfigError(f"`{key}` must be true or false", file=file, group=name, key=key)
       kwargs[key] = raw[key]
   if "shuffle_seed" in raw:
-    kwargs["shuffle_seed"] = _number(raw["shuffle_seed"], int, file=file, group=name,
-                                     key="shuffle_seed")
-    _check_range(kwargs["shuffle_seed"], 0, None, file=file, group=name, key="shuffle_seed")
+    kwargs["shuffle_seed"] = number(raw["shuffle_seed"], int, file=file, group=name,
+                                    key="shuffle_seed")
+    check_range(kwargs["shuffle_seed"], 0, None, file=file, group=name, key="shuffle_seed")
   for key, field in (("image_transform_args", "image_transform"),
                      ("vit_image_transform_args", "vit_image_transform")):
     if key in raw:
       kwargs[field] = _transform(raw[key], file=file, group=name, key=key)
-  if "frame_sampler_args" in raw:
-    args = raw["frame_sampler_args"]
-    if not isinstance(args, Mapping):
-      raise ConfigError("must be a mapping", file=file, group=name, key="frame_sampler_args")
-    _check_keys(args, {"max_num_frames", "min_num_frames", "sample"}, file=file, group=name,
-                where="frame_sampler_args")
-    counts = {k: _number(v, int, file=file, group=name, key=f"frame_sampler_args.{k}")
-              for k, v in args.items() if k != "sample"}
-    try:
-      sample = check_sample_mode(args.get("sample", "rand"))
-    except ValueError as e:
-      raise ConfigError(str(e), file=file, group=name, key="frame_sampler_args.sample") from None
-    kwargs["frame_sampler"] = FrameSamplerArgs(**counts, sample=sample)
-    frames = kwargs["frame_sampler"]
-    if not 1 <= frames.min_num_frames <= frames.max_num_frames:
-      raise ConfigError(f"need 1 <= min_num_frames <= max_num_frames, got {frames.min_num_frames}"
-                        f" and {frames.max_num_frames}", file=file, group=name,
-                        key="frame_sampler_args")
+  kwargs["options"] = family.options.parse(raw, file=file, group=name)
   for field in family.image_roles.values():
     if field not in kwargs:
       raise ConfigError(f"this family needs `{field}_args`", file=file, group=name,
@@ -366,7 +329,7 @@ def _check_ranges(cfg: PipelineConfig, file: str, written: Mapping[str, str]) ->
   for key, (least, greatest) in _RANGES.items():
     value = getattr(cfg, key)
     if value is not None:
-      _check_range(value, least, greatest, file=file, group=None, key=written.get(key, key))
+      check_range(value, least, greatest, file=file, group=None, key=written.get(key, key))
 
 
 def _check_geometry(cfg: PipelineConfig, file: str) -> None:
@@ -411,7 +374,7 @@ def _top_level(raw: Mapping, file: str, base_dir: str,
     if key not in _PACKING_FIELDS:
       raise ConfigError(
           "unknown top-level key; expected `grouped_datasets`, `dataset_info`, a NeMo "
-          f"recipe section or one of {sorted(_PACKING_FIELDS)}", file=file, key=_key_name(key))
+          f"recipe section or one of {sorted(_PACKING_FIELDS)}", file=file, key=key_name(key))
     kind, name = types[key], written.get(key, key)
     if value is None and "None" in kind:
       kwargs[key] = None
@@ -423,9 +386,9 @@ def _top_level(raw: Mapping, file: str, base_dir: str,
         raise ConfigError(f"`{name}` must be true or false", file=file, key=name)
       kwargs[key] = value
     elif kind.startswith("float"):
-      kwargs[key] = _number(value, float, file=file, group=None, key=name)
+      kwargs[key] = number(value, float, file=file, group=None, key=name)
     else:
-      kwargs[key] = _number(value, int, file=file, group=None, key=name)
+      kwargs[key] = number(value, int, file=file, group=None, key=name)
   return kwargs
 
 

@@ -233,11 +233,10 @@ def legacy_fingerprint(cfg: PipelineConfig, tokenizer, *, seed: int,
 
 
 def _group_fields(group: GroupConfig) -> dict[str, Any]:
-  """A group's config as its fingerprint hashes it."""
+  """A group's config as its fingerprint hashes it: its options as its family's say."""
   fields = dataclasses.asdict(group)
-  if fields["frame_sampler"]["sample"] == "rand":  # added later: its default hashes as before
-    del fields["frame_sampler"]["sample"]
-  return fields
+  del fields["options"]
+  return {**fields, **group.options.fingerprint()}
 
 
 def _config_defaults() -> dict[str, Any]:

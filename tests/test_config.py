@@ -41,7 +41,8 @@ def test_example_yaml_loads_with_upstream_values(load_redirected, demo_dir):
   assert edit.vit_transform.max_image_size == 518
   assert [g.is_mandatory for g in cfg.groups] == [True, False, True]
   assert [g.datasets[0].num_used_data for g in cfg.groups] == [10, 10, 1000]
-  assert (vlm.frame_sampler.min_num_frames, vlm.frame_sampler.max_num_frames) == (8, 12)
+  frames = vlm.options.frame_sampler
+  assert (frames.min_num_frames, frames.max_num_frames) == (8, 12)
   assert vlm.shuffle_lines and vlm.shuffle_seed == 0
   assert cfg.vae_image_size == 1024
   assert Path(t2i.datasets[0].data_dir) == demo_dir / "t2i"
@@ -59,7 +60,7 @@ def test_demo_yaml_loads(demo_config, demo_dir):
   assert _roles(cfg) == {"t2i_pretrain": (16, None), "unified_edit": (16, 14),
                          "vlm_sft": (None, 14)}
   assert cfg.vae_image_size == 512
-  assert cfg.group("vlm_sft").frame_sampler.max_num_frames == 6
+  assert cfg.group("vlm_sft").options.frame_sampler.max_num_frames == 6
   assert cfg.group("vlm_sft").vit_transform.max_pixels == UPSTREAM_MAX_PIXELS
   assert Path(cfg.tokenizer_path) == demo_dir / "tokenizer"
 
@@ -125,12 +126,12 @@ def test_frame_sampler_takes_upstreams_modes(root):
   raw = minimal()
   vlm = raw["grouped_datasets"]["vlm_sft"]
   cfg = config_from_dict(raw, file="main.yaml", base_dir=str(root))
-  assert cfg.group("vlm_sft").frame_sampler.sample == "rand"  # upstream's default
+  assert cfg.group("vlm_sft").options.frame_sampler.sample == "rand"  # upstream's default
   assert cfg.max_video_bytes == 1 << 30 and cfg.max_video_frames == 4096
   for sample in ("rand", "middle", "fps0.5", "fps2"):
     vlm["frame_sampler_args"] = {"max_num_frames": 6, "min_num_frames": 6, "sample": sample}
     frames = config_from_dict(raw, file="main.yaml", base_dir=str(root)).group(
-        "vlm_sft").frame_sampler
+        "vlm_sft").options.frame_sampler
     assert (frames.sample, frames.min_num_frames, frames.max_num_frames) == (sample, 6, 6)
 
 
@@ -191,6 +192,13 @@ ERRORS = {
                _where("vlm_sft", "frame_sampler_args.sample")),
   "unknown_frame_key": (f"{VLM}.frame_sampler_args", {"fps": 2},
                         _where("vlm_sft", "fps")),
+  # A family's own option (VLM's frame sampler) on a group of another family: refused, not
+  # ignored (a T2I row has no video to sample).
+  "frames_on_t2i": (f"{T2I}.frame_sampler_args", {"max_num_frames": 4, "min_num_frames": 2},
+                    "`frame_sampler_args` is an option of vlm_sft groups only.*"
+                    + _where("t2i_pretrain", "frame_sampler_args")),
+  "frames_on_edit": (f"{EDIT}.frame_sampler_args", {}, "option of vlm_sft groups only.*"
+                     + _where("unified_edit", "frame_sampler_args")),
   "video_bytes_zero": ("max_video_bytes", 0, _where(None, "max_video_bytes")),
   "video_frames_zero": ("max_video_frames", 0, _where(None, "max_video_frames")),
   "per_sample_over_max": ("max_num_tokens_per_sample", 40000,

@@ -194,7 +194,7 @@ def test_video_demo_config_packs_both_videos(root):
   from bagel_grain.tokenizer import load_tokenizer
 
   cfg = load_config(root / demo_data.VIDEO_DEMO_CONFIG)
-  assert cfg.group("vlm_sft").frame_sampler.sample == "middle"
+  assert cfg.group("vlm_sft").options.frame_sampler.sample == "middle"
   tokenizer = load_tokenizer(root / "tokenizer" / "tokenizer.json")
   records = set()
   with iter(build_pipeline(cfg, tokenizer, batch_size=1, workers=0)) as it:

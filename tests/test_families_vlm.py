@@ -40,7 +40,7 @@ FRAMES = FrameSamplerArgs(max_num_frames=5, min_num_frames=3)
 
 
 def test_vlm_plans_follow_the_conversation(demo_epoch, demo_config, demo_tokenizer):
-  frames = demo_config.group("vlm_sft").frame_sampler
+  frames = demo_config.group("vlm_sft").options.frame_sampler
   kinds = set()
   for record, sample in demo_epoch("vlm_sft"):
     row = json.loads(record.fields)

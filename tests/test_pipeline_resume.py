@@ -10,7 +10,8 @@ import pytest
 import yaml
 
 from bagel_grain import build_pipeline, pipeline_stats
-from bagel_grain.pipeline import legacy_fingerprint
+from bagel_grain.families.video import FrameSamplerArgs
+from bagel_grain.pipeline import fingerprint, legacy_fingerprint
 from bagel_grain.errors import GroupExhaustedError, StateMismatchError
 from bagel_grain.workers import Fetcher
 from resume import assert_resumes_identically, assert_same_elements, take
@@ -180,6 +181,27 @@ def test_state_saved_by_version_2_restores_to_the_same_batches(demo_config, demo
     it.set_state({**state, "fingerprint": {**state["fingerprint"], "config": ours["config"]}})
     assert [batch_sha256(next(it), demo_dir) for _ in saved["next_batch_sha256"]] == \
         saved["next_batch_sha256"]
+
+
+# What a version-3 state holds for each demo group's options (`fingerprint`'s "options"),
+# as commit d4664b9 saved them, before families declared their own group options; the
+# VLM group's with `sample: middle` besides.
+SAVED_GROUP_OPTIONS = {"t2i_pretrain": "395935b2cc0c530c", "unified_edit": "0f8c40ba4d86e444",
+                       "vlm_sft": "6ca9bba3a744d625"}
+SAVED_VLM_MIDDLE_OPTIONS = "2b88dbbe7db7f164"
+
+
+def test_group_options_hash_as_version_3_states_hold_them(demo_config, demo_tokenizer):
+  def options(cfg):
+    groups = fingerprint(cfg, demo_tokenizer, seed=42, shard_count=1)["config"]["groups"]
+    return {name: group["options"] for name, group in groups.items()}
+
+  assert options(demo_config) == SAVED_GROUP_OPTIONS
+  vlm = demo_config.group("vlm_sft")
+  middle = dataclasses.replace(vlm, options=dataclasses.replace(
+      vlm.options, frame_sampler=FrameSamplerArgs(6, 4, "middle")))
+  assert options(dataclasses.replace(demo_config, groups=(*demo_config.groups[:2], middle))) \
+      == {**SAVED_GROUP_OPTIONS, "vlm_sft": SAVED_VLM_MIDDLE_OPTIONS}
 
 
 def test_pipeline_stats_takes_the_pipelines_own_iterator(demo_config, demo_tokenizer):

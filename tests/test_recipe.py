@@ -55,7 +55,7 @@ def test_recipe_loads_with_its_data_settings(recipe, tmp_path, demo_dir):
   assert [(g.name, g.weight) for g in cfg.groups] == [
     ("t2i_pretrain", 2.0), ("unified_edit", 1.0), ("vlm_sft", 1.0)]
   vlm = cfg.group("vlm_sft")
-  assert (vlm.image_transform.max_pixels, vlm.frame_sampler.max_num_frames,
+  assert (vlm.image_transform.max_pixels, vlm.options.frame_sampler.max_num_frames,
           vlm.shuffle_seed, vlm.datasets[0].num_used_data) == (78_400, 4, 3, 40)
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-from typing import TYPE_CHECKING, Any, Callable, Mapping
+from typing import TYPE_CHECKING, Any, Callable, ClassVar, Mapping
 
 from bagel_grain.drops import DropReason
 from bagel_grain.families.base import FamilyTransform
@@ -26,7 +26,38 @@ class RecordFormat(enum.StrEnum):
   ARRAY_RECORD = "array_record"  # records `bagel-grain convert` framed, of any family
 
 
-def _no_options(group: GroupConfig) -> dict[str, Any]:
+@dataclasses.dataclass(frozen=True)
+class GroupOptions:
+  """The group keys a family reads beyond those every group has, parsed: none here.
+
+  A family with options of its own subclasses it: its fields with their defaults,
+  `KEYS` (the YAML keys it reads) and `parse`; `fingerprint` when its entries must
+  hash as an earlier version hashed them. A group of another family that sets one
+  of those keys is refused when the config loads.
+  """
+
+  KEYS: ClassVar[frozenset[str]] = frozenset()
+
+  @classmethod
+  def parse(cls, raw: Mapping[str, Any], *, file: str, group: str) -> GroupOptions:
+    """The options of a group's mapping `raw` (its keys checked already), else `ConfigError`
+    naming `file`, `group` and the key."""
+    del raw, file, group
+    return cls()
+
+  def fingerprint(self) -> dict[str, Any]:
+    """The options as the group's stream fingerprint hashes them, beside its other fields:
+    every field, so that a restore under other options is refused.
+
+    Before families declared their options, every group held upstream's default
+    frame sampler and hashed it (`sample` left out): a family without that option
+    hashes the entry still, so the states saved then restore.
+    """
+    return {"frame_sampler": {"max_num_frames": 12, "min_num_frames": 8},
+            **dataclasses.asdict(self)}
+
+
+def _no_transform_args(group: GroupConfig) -> dict[str, Any]:
   del group
   return {}
 
@@ -37,9 +68,11 @@ class Family:
 
   - `name`: the key (upstream's family name).
   - `transform`: the `FamilyTransform` class, built with one `<role>_transform` per
-    image role, `options(group)` and the pipeline's common arguments.
+    image role, `transform_args(group)` and the pipeline's common arguments.
   - `image_roles`: role (`"vae"`, `"vit"`) -> the `GroupConfig` field holding its
     `ImageTransform`; config validation requires each as `<field>_args`.
+  - `options`: the `GroupOptions` subclass of the family's own group keys, parsed
+    into `GroupConfig.options`.
   - `columns`: the parquet columns a record is read from; None for JSONL lines,
     whose datasets then need `jsonl_path`.
   - `embed_files`: the converter's step for a record whose files lie beside it,
@@ -54,7 +87,8 @@ class Family:
   image_roles: Mapping[str, str]
   drop_reasons: frozenset[DropReason]
   columns: tuple[str, ...] | None = None
-  options: Callable[[GroupConfig], dict[str, Any]] = _no_options
+  options: type[GroupOptions] = GroupOptions
+  transform_args: Callable[[GroupConfig], dict[str, Any]] = _no_transform_args
   embed_files: Callable[[Any, str], Any] | None = None
 
   @property
@@ -88,4 +122,4 @@ class Family:
     """The group's transform; `common` holds what every family takes (`group` its index)."""
     roles = {f"{role}_transform": getattr(config, field)
              for role, field in self.image_roles.items()}
-    return self.transform(**roles, **self.options(config), **common)
+    return self.transform(**roles, **self.transform_args(config), **common)

@@ -2,17 +2,20 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, Mapping
 
 import numpy as np
 
+from bagel_grain.config_values import check_keys, number
 from bagel_grain.drops import FILE_REASONS, IMAGE_REASONS, RECORD_REASONS, VIDEO_REASONS
 from bagel_grain.drops import Drop, DropReason, Note, require
+from bagel_grain.errors import ConfigError
 from bagel_grain.families import video
 from bagel_grain.families.base import FamilyTransform, is_text
-from bagel_grain.families.family import Family
+from bagel_grain.families.family import Family, GroupOptions
 from bagel_grain.families.files import DiskFiles, EmbeddedFiles, FileStore, is_folder
 from bagel_grain.families.video import DEFAULT_MAX_VIDEO_BYTES, FrameSamplerArgs
 from bagel_grain.images import ImageTransform, image_size, resize_image, resize_size
@@ -329,8 +332,44 @@ def embed_files(line: bytes, data_dir: str, *,
   return LineWithFiles(line, embedding.files, embedding.errors)
 
 
-def _options(group: GroupConfig) -> dict[str, Any]:
-  return {"frame_sampler": group.frame_sampler,
+@dataclasses.dataclass(frozen=True)
+class VLMOptions(GroupOptions):
+  """A VLM group's own key: upstream's `frame_sampler_args`, for its video rows."""
+
+  KEYS = frozenset({"frame_sampler_args"})
+  frame_sampler: FrameSamplerArgs = FrameSamplerArgs()
+
+  @classmethod
+  def parse(cls, raw: Mapping[str, Any], *, file: str, group: str) -> VLMOptions:
+    key = "frame_sampler_args"
+    if key not in raw:
+      return cls()
+    args = raw[key]
+    if not isinstance(args, Mapping):
+      raise ConfigError("must be a mapping", file=file, group=group, key=key)
+    check_keys(args, {"max_num_frames", "min_num_frames", "sample"}, file=file, group=group,
+               where=key)
+    counts = {k: number(v, int, file=file, group=group, key=f"{key}.{k}")
+              for k, v in args.items() if k != "sample"}
+    try:
+      sample = video.check_sample_mode(args.get("sample", "rand"))
+    except ValueError as e:
+      raise ConfigError(str(e), file=file, group=group, key=f"{key}.sample") from None
+    frames = FrameSamplerArgs(**counts, sample=sample)
+    if not 1 <= frames.min_num_frames <= frames.max_num_frames:
+      raise ConfigError(f"need 1 <= min_num_frames <= max_num_frames, got {frames.min_num_frames}"
+                        f" and {frames.max_num_frames}", file=file, group=group, key=key)
+    return cls(frame_sampler=frames)
+
+  def fingerprint(self) -> dict[str, Any]:
+    sampler = dataclasses.asdict(self.frame_sampler)
+    if sampler["sample"] == "rand":  # `sample` came later: its default hashes as before it
+      del sampler["sample"]
+    return {"frame_sampler": sampler}
+
+
+def _transform_args(group: GroupConfig) -> dict[str, Any]:
+  return {"frame_sampler": group.options.frame_sampler,
           "data_dirs": tuple(d.data_dir for d in group.datasets)}
 
 
@@ -339,7 +378,8 @@ FAMILY = Family(
     transform=VLMTransform,
     image_roles={"vit": "image_transform"},
     columns=None,  # JSONL lines; their image and video files lie under data_dir
-    options=_options,
+    options=VLMOptions,
+    transform_args=_transform_args,
     embed_files=embed_files,
     drop_reasons=RECORD_REASONS | IMAGE_REASONS | FILE_REASONS | VIDEO_REASONS | {
         DropReason.BAD_JSON, DropReason.WRONG_TYPE, DropReason.BAD_TURN,

@@ -1,0 +1,44 @@
+"""Typed values read from a config mapping, each error naming the file, the group and the key.
+
+Shared by `config.py` and the group options a family declares (`families.family.GroupOptions`).
+"""
+
+from __future__ import annotations
+
+import numbers
+from typing import Any, Mapping
+
+from bagel_grain.config_yaml import shown
+from bagel_grain.errors import ConfigError
+
+
+def number(value: Any, kind: type, *, file: str, group: str | None, key: str):
+  ok = isinstance(value, numbers.Real) and not isinstance(value, bool)
+  if kind is int:
+    ok = ok and float(value).is_integer()
+  if not ok:
+    raise ConfigError(f"`{key}` must be a {'whole number' if kind is int else 'number'}, "
+                      f"got {shown(value)}", file=file, group=group, key=key)
+  return kind(value)
+
+
+def check_range(value: float, least: float | None, greatest: float | None, *, file: str,
+                group: str | None, key: str) -> None:
+  if not ((least is None or value >= least) and (greatest is None or value <= greatest)):
+    bounds = (f"between {least} and {greatest}" if least is not None and greatest is not None
+              else f">= {least}" if least is not None else f"<= {greatest}")
+    raise ConfigError(f"`{key}` must be {bounds}, got {shown(value)}", file=file, group=group,
+                      key=key)
+
+
+def key_name(key: Any) -> str:
+  """A key as error messages name it: itself when a short string, else its short repr."""
+  return key if isinstance(key, str) and len(key) <= 80 else shown(key)
+
+
+def check_keys(mapping: Mapping, allowed: set[str], *, file: str, group: str | None,
+               where: str):
+  for key in mapping:
+    if key not in allowed:
+      raise ConfigError(f"unknown key in {where}; allowed: {sorted(allowed)}",
+                        file=file, group=group, key=key_name(key))
