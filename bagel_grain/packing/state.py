@@ -23,12 +23,14 @@ from bagel_grain.packing import continuation
 from bagel_grain.sources.manifest import Manifest
 
 STATE_VERSION = 3
-READABLE_VERSIONS = (1, 2, 3)  # 2: lists and counters hold only what is used
+ERAS_VERSION = 4  # a state holding earlier record sets (`packing.eras`): older readers refuse it
+READABLE_VERSIONS = (1, 2, 3, 4)  # 2: lists and counters hold only what is used
 
 
 def sealed(state: dict[str, Any], fingerprint: dict[str, Any]) -> dict[str, Any]:
   """`state` inside the envelope: version and fingerprint first."""
-  return {"version": STATE_VERSION, "fingerprint": dict(fingerprint), **state}
+  version = ERAS_VERSION if "data_eras" in state else STATE_VERSION
+  return {"version": version, "fingerprint": dict(fingerprint), **state}
 
 
 def _from_version_1(state: Mapping[str, Any]) -> dict[str, Any]:
