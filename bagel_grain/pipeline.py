@@ -190,7 +190,8 @@ def _kept_blocks(where: str, source, saved: Manifest) -> list[tuple[int, int]]:
   if isinstance(source, JsonlLineSource):
     (name, size), = saved.files
     lines = saved.blocks
-    ends = source.line_offset(lines) if lines < source.num_blocks() else None
+    ends = (source.line_offset(lines) if lines < source.num_blocks()
+            else fs.file_info(source.path).size)
     if lines > source.num_blocks() or ends != size or (
         saved.tail is not None and tail_digest(source.path, size) != saved.tail):
       raise StateMismatchError(f"{where}: {name} changed in its first {lines} lines (or its "

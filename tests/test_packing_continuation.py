@@ -1,6 +1,6 @@
-"""Restoring onto a changed stream: data that changed is refused by name; the changes of a
-new stage of training (weights, groups added or removed at the end) continue exactly when
-asked to (`allow_changes`), every record of the epoch packed once."""
+"""Restoring onto a changed stream: data rewritten or removed is refused by name; the changes
+of a new stage of training (weights, groups added or removed at the end, records appended)
+continue exactly when asked to (`allow_changes`), every record of the epoch packed once."""
 
 import collections
 import dataclasses
@@ -33,14 +33,14 @@ def data(demo_dir, tmp_path):
   return shutil.copytree(demo_dir, tmp_path / "demo")
 
 
-def config(data, *, groups=None, weights=None, logical_shards=None):
-  """The demo config on `data`, one epoch; `groups` (names, in this order) and `weights`
+def config(data, *, groups=None, weights=None, logical_shards=None, num_epochs=1):
+  """The demo config on `data`, `num_epochs`; `groups` (names, in this order) and `weights`
   (name -> weight)."""
   cfg = load_shipped("demo", data)
   named = {g.name: g for g in cfg.groups}
   chosen = [named[name] for name in groups] if groups is not None else list(cfg.groups)
   chosen = [dataclasses.replace(g, weight=(weights or {}).get(g.name, g.weight)) for g in chosen]
-  return dataclasses.replace(cfg, groups=tuple(chosen), num_epochs=1,
+  return dataclasses.replace(cfg, groups=tuple(chosen), num_epochs=num_epochs,
                              logical_shards=logical_shards)
 
 
@@ -66,31 +66,193 @@ def append_lines(data, n):
   path.write_bytes(b"".join(lines + lines[:n]))
 
 
-def test_lines_appended_to_a_jsonl_are_refused_naming_the_dataset(data, demo_tokenizer):
+def by_epoch(batches):
+  """(group, epoch, record) of every sample in `batches`, counted."""
+  return collections.Counter((k[0], k[2], k[3]) for b in batches for row in b["sample_keys"]
+                             for k in row)
+
+
+def assert_each_epoch_exact(counts, originals, appended, num_epochs, starts):
+  """In each epoch every original record of a group packed once; an appended one once an
+  epoch from the epoch its logical shard took it in on (`starts[group]`: the first and the
+  last such epoch of the shards), never before; nothing else, nothing twice."""
+  assert all(n == 1 for n in counts.values()), [k for k, n in counts.items() if n > 1]
+  for group, records in originals.items():
+    first, last = starts.get(group, (num_epochs, num_epochs))
+    new = appended.get(group, set())
+    for epoch in range(num_epochs):
+      got = {r for g, e, r in counts if g == group and e == epoch}
+      assert got - new == records, (group, epoch, len(got - new), len(records))
+      if epoch < first:
+        assert not got & new, (group, epoch)
+      if epoch >= last:
+        assert got & new == new, (group, epoch, len(got & new), len(new))
+    for record in new:  # from its shard's first epoch on, in every one
+      epochs = sorted(e for g, e, r in counts if g == group and r == record)
+      assert epochs == list(range(num_epochs - len(epochs), num_epochs)), (record, epochs)
+
+
+def every_record(cfg, tokenizer):
+  """Per group, the records of one epoch (a fresh stream of the config, one epoch)."""
+  with pipeline(dataclasses.replace(cfg, num_epochs=1), tokenizer) as it:
+    seen = packed(list(it))
+  out = collections.defaultdict(set)
+  for group, record in seen:
+    out[group].add(record)
+  return dict(out)
+
+
+def append_lines(data, n):
+  path = data / "vlm" / "sft.jsonl"
+  lines = path.read_bytes().splitlines(keepends=True)
+  path.write_bytes(b"".join(lines + lines[:n]))
+
+
+def test_lines_appended_to_a_jsonl_need_the_saved_file_lists_and_allow_changes(
+    data, demo_tokenizer):
   cfg = config(data)
-  _, state = saved_after(cfg, demo_tokenizer, 3)
+  with pipeline(cfg, demo_tokenizer) as it:
+    take(it, 3)
+    state, manifests = json.loads(json.dumps(it.get_state())), it.manifests()
   append_lines(data, 6)
   with pipeline(cfg, demo_tokenizer) as it:
-    for allow in (False, True):  # changed data is refused in either mode
+    for allow in (False, True):  # which lines are new takes the file lists a checkpoint keeps
       with pytest.raises(StateMismatchError,
                          match=r"group 'vlm_sft', dataset 'demo_vlm' under "
-                               r".*/vlm: sft.jsonl: bytes \d+ -> \d+; blocks 60 -> 66"):
+                               r".*/vlm: sft.jsonl: bytes \d+ -> \d+; blocks 60 -> 66.*"
+                               r"restore through bagel_grain.jax.restore, or pass "
+                               r"`saved_manifests`"):
         it.set_state(state, allow_changes=allow)
+    with pytest.raises(StateMismatchError, match=r"dataset 'demo_vlm' under .*/vlm: records "
+                                                 r"appended \(sft.jsonl: 6 lines appended\)"
+                                                 r".*allow_changes=True"):
+      it.set_state(state, saved_manifests=manifests)
     assert it.get_state()["shards"]["0"]["rows"] == 0  # where it was
 
 
-def test_a_parquet_file_added_is_refused_and_the_checkpoint_names_it(data, demo_tokenizer,
-                                                                      tmp_path):
-  cfg = config(data)
+@pytest.mark.parametrize("workers", [0, 2])
+def test_lines_appended_to_a_jsonl_join_from_the_next_epoch(data, demo_tokenizer, workers):
+  cfg = config(data, num_epochs=2)
+  originals = every_record(cfg, demo_tokenizer)
+  with pipeline(cfg, demo_tokenizer) as it:
+    before = take(it, 3)
+    state, manifests = json.loads(json.dumps(it.get_state())), it.manifests()
+  assert {e for g, e, _ in by_epoch(before) if g == "vlm_sft"} == {0}  # in its first epoch
+  append_lines(data, 6)
+  grown = every_record(cfg, demo_tokenizer)["vlm_sft"]
+  with iter(build_pipeline(cfg, demo_tokenizer, batch_size=2, workers=workers)) as it:
+    it.set_state(state, allow_changes=True, saved_manifests=manifests)
+    after = list(it)
+    saved = it.get_state()
+  assert saved["version"] == 4 and saved["shards"]["0"]["eras"] == {"vlm_sft": [1]}
+  assert list(saved["data_eras"]) == ["vlm_sft"]
+  appended = grown - originals["vlm_sft"]
+  assert len(appended) == 6
+  assert_each_epoch_exact(by_epoch(before) + by_epoch(after), originals,
+                          {"vlm_sft": appended}, 2, {"vlm_sft": (1, 1)})
+
+
+def test_a_parquet_file_added_is_named_and_joins_across_a_resize(data, demo_tokenizer,
+                                                                 tmp_path):
+  """Saved by one process over 4 logical shards, restored by two through a checkpoint; the
+  added file sorts before the others."""
+  cfg = config(data, logical_shards=4, num_epochs=3)
+  originals = every_record(cfg, demo_tokenizer)
   manager = checkpoint_manager(str(tmp_path / "checkpoints"))
   with pipeline(cfg, demo_tokenizer) as it:
+    before = take(it, 5)
+    save(manager, 5, {"w": jnp.zeros(2)}, it)
+  shutil.copy(data / "t2i" / "part-00001.parquet", data / "t2i" / "aaa.parquet")
+  appended = every_record(cfg, demo_tokenizer)["t2i_pretrain"] - originals["t2i_pretrain"]
+  assert appended and all(r.startswith("demo_t2i/aaa.parquet#") for r in appended)
+  after, states = collections.Counter(), []
+  for p in range(2):
+    with iter(build_pipeline(cfg, demo_tokenizer, batch_size=2, process_index=p,
+                             process_count=2, workers=0)) as it:
+      with pytest.raises(StateMismatchError, match=r"dataset 'demo_t2i' under .*/t2i: records "
+                                                   r"appended \(aaa.parquet added\)"):
+        restore(manager, None, {"w": jnp.zeros(2)}, it)
+      restore(manager, None, {"w": jnp.zeros(2)}, it, allow_changes=True)
+      states.append(it.get_state())
+      after += by_epoch(list(it))
+  counts = by_epoch(before) + after
+  starts = {int(s): e["eras"]["t2i_pretrain"][0] for st in states
+            for s, e in st["shards"].items()}
+  assert set(starts) == {0, 1, 2, 3} and all(1 <= e <= 2 for e in starts.values())
+  # Each shard finished its epoch over the records it started with; the file's records
+  # joined from its next epoch: once per epoch from the first epoch every shard has them.
+  assert_each_epoch_exact(counts, originals, {"t2i_pretrain": appended}, 3,
+                          {"t2i_pretrain": (min(starts.values()), max(starts.values()))})
+
+
+def with_video(cfg, data):
+  """`cfg` with the demo's video dataset added to the vlm group."""
+  from bagel_grain.config import DatasetSpec  # pylint: disable=import-outside-toplevel
+  video = DatasetSpec("demo_video", str(data / "video"),
+                      jsonl_path=str(data / "video" / "video.jsonl"))
+  groups = [dataclasses.replace(g, datasets=(*g.datasets, video)) if g.name == "vlm_sft"
+            else g for g in cfg.groups]
+  return dataclasses.replace(cfg, groups=tuple(groups))
+
+
+def test_a_dataset_added_to_a_group_joins_from_the_next_epoch(data, demo_tokenizer):
+  cfg = config(data, num_epochs=2)
+  originals = every_record(cfg, demo_tokenizer)
+  with pipeline(cfg, demo_tokenizer) as it:
+    before = take(it, 3)
+    state, manifests = json.loads(json.dumps(it.get_state())), it.manifests()
+  stage_2 = with_video(cfg, data)
+  appended = every_record(stage_2, demo_tokenizer)["vlm_sft"] - originals["vlm_sft"]
+  assert len(appended) == 4 and all(r.startswith("demo_video/") for r in appended)
+  with pipeline(stage_2, demo_tokenizer) as it:
+    with pytest.raises(StateMismatchError, match=r"dataset 'demo_video'.*records appended "
+                                                 r"\(dataset added\).*allow_changes=True"):
+      it.set_state(state, saved_manifests=manifests)
+    it.set_state(state, allow_changes=True, saved_manifests=manifests)
+    after = list(it)
+  assert_each_epoch_exact(by_epoch(before) + by_epoch(after), originals,
+                          {"vlm_sft": appended}, 2, {"vlm_sft": (1, 1)})
+
+
+def rewrite_first_line(data):
+  path = data / "vlm" / "sft.jsonl"
+  lines = path.read_bytes().splitlines(keepends=True)
+  path.write_bytes(b"".join([lines[1]] + lines[1:] + lines[:6]))
+
+
+def edit_last_line(data):
+  """The last line changed in place (same length), then lines appended."""
+  path = data / "vlm" / "sft.jsonl"
+  lines = path.read_bytes().splitlines(keepends=True)
+  last = lines[-1].replace(b"a", b"b", 1)
+  assert last != lines[-1] and len(last) == len(lines[-1])
+  path.write_bytes(b"".join(lines[:-1] + [last] + lines[:6]))
+
+
+@pytest.mark.parametrize("change, named", [
+    (lambda d: (d / "t2i" / "part-00001.parquet").unlink(), r"part-00001.parquet removed"),
+    (lambda d: shutil.copy(d / "t2i" / "part-00000.parquet", d / "t2i" / "part-00001.parquet"),
+     r"part-00001.parquet changed size"),
+    (lambda d: (d / "vlm" / "sft.jsonl").write_bytes(
+        b"".join((d / "vlm" / "sft.jsonl").read_bytes().splitlines(keepends=True)[:50])),
+     r"sft.jsonl changed size \(\d+ -> \d+ bytes\); blocks .* 60 -> 50"),
+    (rewrite_first_line, r"sft.jsonl changed in its first 60 lines"),
+    (edit_last_line, r"sft.jsonl changed in its first 60 lines"),
+], ids=["parquet_deleted", "parquet_rewritten", "jsonl_shrunk", "jsonl_rewritten_and_grown",
+        "jsonl_tail_edited_and_grown"])
+def test_records_removed_or_rewritten_are_refused_even_when_allowed(data, demo_tokenizer, change,
+                                                                    named):
+  cfg = config(data, num_epochs=2)
+  with pipeline(cfg, demo_tokenizer) as it:
     take(it, 3)
-    save(manager, 3, {"w": jnp.zeros(2)}, it)
-  shutil.copy(data / "t2i" / "part-00000.parquet", data / "t2i" / "part-00009.parquet")
-  with pipeline(config(data), demo_tokenizer) as it:
-    with pytest.raises(StateMismatchError,
-                       match=r"dataset 'demo_t2i' under .*/t2i: part-00009.parquet added"):
-      restore(manager, None, {"w": jnp.zeros(2)}, it)
+    state, manifests = json.loads(json.dumps(it.get_state())), it.manifests()
+  change(data)
+  with pipeline(cfg, demo_tokenizer) as it:
+    first = next(it)
+    with pytest.raises(StateMismatchError, match=named):
+      it.set_state(state, allow_changes=True, saved_manifests=manifests)
+    assert it.get_state()["shards"]["0"]["rows"] == 2  # where it was
+    assert next(it)["sample_keys"] != first["sample_keys"]  # and goes on from there
 
 
 def step_2_with_a_file_of_step_1(cfg, tokenizer, tmp_path, name):
