@@ -13,6 +13,7 @@ from pathlib import Path
 
 import hypothesis
 import jax.numpy as jnp
+import pyarrow.parquet as pq
 import pytest
 from hypothesis import strategies as st
 
@@ -389,18 +390,28 @@ def test_the_same_data_elsewhere_is_the_same_stream(data, demo_tokenizer, tmp_pa
 GROUPS = ["t2i_pretrain", "unified_edit", "vlm_sft"]
 
 
-def run_stage(cfg, tokenizer, processes, rows, state, allow):
-  """Each of `processes` simulated processes restores `state` (None: a fresh start) and packs
-  `rows` rows (None: to the end); their samples and their states, merged."""
+def run_stage(cfg, tokenizer, processes, rows, saved):
+  """Each of `processes` simulated processes restores `saved` (None: a fresh start; else
+  the merged state and the file lists a checkpoint keeps) with allow_changes and packs
+  `rows` rows (None: to the end); their samples by epoch, and what they saved."""
   samples, states = collections.Counter(), []
   for p in range(processes):
     with iter(build_pipeline(cfg, tokenizer, batch_size=1, process_index=p,
                              process_count=processes, workers=0)) as it:
-      if state is not None:
-        it.set_state(state, allow_changes=allow)
-      samples += packed(take(it, rows) if rows is not None else list(it))
+      if saved is not None:
+        state, manifests, eras = saved
+        it.set_state(state, allow_changes=True, saved_manifests=manifests, saved_eras=eras)
+      samples += by_epoch(take(it, rows) if rows is not None else list(it))
       states.append(json.loads(json.dumps(it.get_state())))
-  return samples, merge_states(states)
+      kept = it.manifests(), it.era_manifests()
+  return samples, (merge_states(states), *kept)
+
+
+def appended_record(record):
+  """Whether `record` is one the schedule below appended (a parquet file `extra-*`, lines
+  past the JSONL's 60th)."""
+  name, _, line = record.rpartition(":")
+  return "/extra-" in record or (name == "demo_vlm/sft.jsonl" and int(line) > 60)
 
 
 @hypothesis.settings(max_examples=6, deadline=None, derandomize=True,
@@ -408,17 +419,25 @@ def run_stage(cfg, tokenizer, processes, rows, state, allow):
 @hypothesis.given(stages=st.lists(st.tuples(
     st.sampled_from([1, 2, 4]),  # processes of the stage
     st.integers(1, 3),  # rows per process before the next save
-    st.sampled_from(["weights", "add_group", "remove_group", "none"])), min_size=1, max_size=3))
-def test_stages_of_training_pack_every_record_at_most_once_and_the_kept_groups_exactly_once(
-    demo_dir, demo_tokenizer, stages):
-  """Random schedules: run, save, change weights or the groups at the end and the process
-  count, restore with allow_changes. A group that stays to the end packs each record of
-  its epoch once; nothing is ever packed twice."""
+    st.sampled_from(["weights", "add_group", "remove_group", "append", "rewrite", "none"])),
+    min_size=1, max_size=3))
+# Appends at two restores in a row (the first set kept across a save and a restore).
+@hypothesis.example(stages=[(1, 2, "add_group"), (2, 2, "append"), (4, 1, "append")])
+@hypothesis.example(stages=[(2, 3, "append"), (1, 1, "append"), (4, 1, "remove_group")])
+def test_stages_of_training_pack_every_record_once_an_epoch(demo_dir, demo_tokenizer,
+                                                            tmp_path_factory, stages):
+  """Random schedules over two epochs: run, save, change weights, the groups at the end,
+  the process count or the data (records appended, or a file rewritten), restore with
+  allow_changes. A group that stays to the end packs each record it started with once an
+  epoch, and each appended one once an epoch from its shard's next epoch on; nothing is
+  packed twice in an epoch; a file rewritten is refused by name."""
+  data = shutil.copytree(demo_dir, tmp_path_factory.mktemp("stages") / "demo")
   groups, weights = GROUPS[:2], {}
-  state, total, ever_removed = None, collections.Counter(), set()
-  for processes, rows, change in stages:
-    cfg = config(demo_dir, groups=groups, weights=weights, logical_shards=4)
-    samples, state = run_stage(cfg, demo_tokenizer, processes, rows, state, allow=True)
+  saved, total, ever_removed = None, collections.Counter(), set()
+  appends = collections.defaultdict(list)  # per group, the records of each append
+  for n, (processes, rows, change) in enumerate(stages):
+    cfg = config(data, groups=groups, weights=weights, logical_shards=4, num_epochs=2)
+    samples, saved = run_stage(cfg, demo_tokenizer, processes, rows, saved)
     total += samples
     if change == "weights":
       weights = {g: float(1 + (len(total) + i) % 5) for i, g in enumerate(groups)}
@@ -427,14 +446,37 @@ def test_stages_of_training_pack_every_record_at_most_once_and_the_kept_groups_e
     elif change == "remove_group" and len(groups) > 1:
       ever_removed.add(groups[-1])
       groups = groups[:-1]
-  cfg = config(demo_dir, groups=groups, weights=weights, logical_shards=4)
-  samples, _ = run_stage(cfg, demo_tokenizer, 2, None, state, allow=True)
+    elif change == "append" and "vlm_sft" in groups:
+      first = 61 + 3 * len(appends["vlm_sft"])
+      append_lines(data, 3)
+      appends["vlm_sft"].append({f"demo_vlm/sft.jsonl:{i}" for i in range(first, first + 3)})
+    elif change == "append":
+      shutil.copy(data / "t2i" / f"part-0000{n % 2}.parquet", data / "t2i" / f"extra-{n}.parquet")
+      rows_in = pq.ParquetFile(data / "t2i" / f"extra-{n}.parquet").metadata.num_rows
+      appends["t2i_pretrain"].append({f"demo_t2i/extra-{n}.parquet#{i}" for i in range(rows_in)})
+    elif change == "rewrite":  # refused even when allowed, naming the file; then put back
+      original = (data / "t2i" / "part-00001.parquet").read_bytes()
+      shutil.copy(data / "t2i" / "part-00000.parquet", data / "t2i" / "part-00001.parquet")
+      cfg = config(data, groups=groups, weights=weights, logical_shards=4, num_epochs=2)
+      with pytest.raises(StateMismatchError, match=r"part-00001.parquet changed size"):
+        run_stage(cfg, demo_tokenizer, 1, 1, saved)
+      (data / "t2i" / "part-00001.parquet").write_bytes(original)
+  cfg = config(data, groups=groups, weights=weights, logical_shards=4, num_epochs=2)
+  samples, (state, _, _) = run_stage(cfg, demo_tokenizer, 2, None, saved)
   total += samples
   assert all(n == 1 for n in total.values()), [k for k, n in total.items() if n > 1]
-  by_group = collections.Counter(g for g, _ in total)
   for g in groups:
-    if g not in ever_removed:
-      assert by_group[g] == RECORDS[g], (g, by_group)
+    if g in ever_removed:
+      continue
+    for epoch in (0, 1):
+      kept = [r for group, e, r in total if group == g and e == epoch and not appended_record(r)]
+      assert len(kept) == RECORDS[g], (g, epoch, len(kept))
+  for g, record in {(g, r) for g, _, r in total if appended_record(r)}:
+    assert sorted(e for group, e, r in total if (group, r) == (g, record)) in ([1], [0, 1])
+  for g, records in appends.items():  # each shard takes them from the epoch its state says
+    for k, added in enumerate(records):
+      if g in groups and all(e["eras"][g][k] <= 1 for e in state["shards"].values()):
+        assert added <= {r for group, e, r in total if group == g and e == 1}, (g, k)
 
 
 def test_the_stage_schedule_example_runs_and_packs_each_record_once(demo_dir):
