@@ -303,6 +303,12 @@ class ShuffledRecords(grain.MapDataset):
     """Records per epoch of the first set (the only one, unless records were appended)."""
     return self._per_epoch
 
+  @property
+  def blocks_per_epoch(self) -> int:
+    """Blocks (row groups, or single records) per epoch of the first set."""
+    era = self._eras[0]
+    return era.per_epoch if era.lens is None else len(era.lens)
+
   def era_starts(self) -> list[int]:
     """The first epoch of each later record set in this shard."""
     return [e.first_epoch for e in self._eras[1:]]
