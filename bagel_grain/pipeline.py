@@ -164,7 +164,11 @@ def set_blocks(cfg: PipelineConfig, group: int, source: ConcatSource,
         raise StateMismatchError(f"{where}: records were appended, and the dataset reads "
                                  "`num_used_data` of them, which may be others now: start a "
                                  "new stream (without the state) to take them in")
-      ranges += [(offset + a, offset + b) for a, b in _kept_blocks(where, part, saved)]
+      for a, b in _kept_blocks(where, part, saved):
+        if ranges and ranges[-1][1] == offset + a:  # adjacent files: one range
+          ranges[-1] = (ranges[-1][0], offset + b)
+        else:
+          ranges.append((offset + a, offset + b))
     offset += part.num_blocks()
   return ranges
 

@@ -412,20 +412,16 @@ def _blocks_of(era: _Era) -> tuple[np.ndarray, np.ndarray]:
 
 def _minus(now: Sequence[tuple[int, int]], before: Sequence[tuple[int, int]]
            ) -> list[tuple[int, int]]:
-  """The block ranges of `now` not in `before` (a set grown by appends), in order."""
-  taken = np.zeros(max([b for _, b in now] + [0]), bool)
-  for first, last in before:
-    taken[first:last] = True
-  out: list[tuple[int, int]] = []
+  """The blocks of `now` not in `before` (a set grown by appends; both in ascending
+  order), as ascending ranges."""
+  size = max([b for _, b in now] + [0])
+  kept = np.zeros(size + 2, np.int8)  # one place on each side, so every run has two edges
   for first, last in now:
-    for block in range(first, last):
-      if taken[block]:
-        continue
-      if out and out[-1][1] == block:
-        out[-1] = (out[-1][0], block + 1)
-      else:
-        out.append((block, block + 1))
-  return out
+    kept[first + 1:last + 1] = 1
+  for first, last in before:
+    kept[first + 1:last + 1] = 0
+  edges = np.flatnonzero(np.diff(kept))
+  return [(int(a), int(b)) for a, b in zip(edges[::2], edges[1::2])]
 
 
 def dataset_roots(dataset: Any) -> list[str | None]:
