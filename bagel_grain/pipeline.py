@@ -23,7 +23,7 @@ from bagel_grain.config import STREAM_NEUTRAL_FIELDS, GroupConfig, PipelineConfi
 from bagel_grain.errors import ConfigError, DatasetError, StateMismatchError
 from bagel_grain.families.base import FamilyTransform
 from bagel_grain.packing.batch import BatchDataset, BatchIterator
-from bagel_grain.packing.eras import GroupEras, Plan
+from bagel_grain.packing.eras import Plan
 from bagel_grain.packing.drop_policy import DropPolicy
 from bagel_grain.workers import Fetcher
 from bagel_grain.packing.layout import Geometry

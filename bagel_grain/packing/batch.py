@@ -175,8 +175,8 @@ class BatchIterator(StageIterator):
       rows = self._rows
       if eras != self._eras:  # other record sets: rows built on them, the old kept on error
         if self._rebuild is None or not isinstance(rows, ShardInterleaveIterator):
-          raise StateMismatchError("this iterator cannot continue over records "
-                                            "appended: build it with build_pipeline")
+          raise StateMismatchError("this iterator cannot continue over records appended: "
+                                   "build it with build_pipeline")
         dataset, resolved = self._rebuild(eras)
         rows = dataset.__iter__()
       try:
