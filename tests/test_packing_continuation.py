@@ -186,6 +186,34 @@ def test_a_parquet_file_added_is_named_and_joins_across_a_resize(data, demo_toke
                           {"t2i_pretrain": (min(starts.values()), max(starts.values()))})
 
 
+def test_a_stream_with_records_appended_saves_and_restores_through_a_checkpoint(
+    data, demo_tokenizer, tmp_path):
+  """After the restore that took the appended lines in, a checkpoint keeps the earlier
+  record set's files (data_eras.json): a later restore continues exactly; a bare state
+  without them is refused, saying what to pass."""
+  cfg = config(data, num_epochs=2)
+  with pipeline(cfg, demo_tokenizer) as it:
+    take(it, 3)
+    state, manifests = json.loads(json.dumps(it.get_state())), it.manifests()
+  append_lines(data, 6)
+  manager = checkpoint_manager(str(tmp_path / "checkpoints"))
+  with pipeline(cfg, demo_tokenizer) as it:
+    it.set_state(state, allow_changes=True, saved_manifests=manifests)
+    take(it, 2)
+    save(manager, 2, {"w": jnp.zeros(2)}, it)
+    later = json.loads(json.dumps(it.get_state()))
+    uninterrupted = take(it, 4)
+  kept = json.loads((tmp_path / "checkpoints" / "2" / "data" / "data_eras.json").read_text())
+  assert list(kept) == ["vlm_sft"] and kept["vlm_sft"][0]["demo_vlm"]["blocks"] == 60
+  with pipeline(cfg, demo_tokenizer) as it:
+    with pytest.raises(StateMismatchError, match=r"records were appended to group 'vlm_sft'.*"
+                                                 r"pass `saved_manifests` \(and `saved_eras`\)"):
+      it.set_state(later)
+    restore(manager, 2, {"w": jnp.zeros(2)}, it)  # the same data now: nothing to allow
+    assert it.get_state() == later
+    assert [b["sample_keys"] for b in take(it, 4)] == [b["sample_keys"] for b in uninterrupted]
+
+
 def with_video(cfg, data):
   """`cfg` with the demo's video dataset added to the vlm group."""
   from bagel_grain.config import DatasetSpec  # pylint: disable=import-outside-toplevel
