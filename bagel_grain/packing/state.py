@@ -7,7 +7,9 @@ given config and process count (lists of fixed length, every counter present),
 as Grain's checkpoint contract asks. Version 2 held only what was in use (lists
 as long as their content, counters when non-zero) and reads as it is; version 1
 (release 0.1.0, one process's packing state) is read as the single shard of its
-process. A stage parses its
+process. Version 4 is version 3 plus the earlier record sets of groups whose
+records were appended at a restore (packing/eras.py): written only then, so that a
+release that cannot continue over them refuses it. A stage parses its
 keys with the helpers below before it changes anything, so a malformed state is
 a StateMismatchError naming the field, and the iterator stays where it was.
 """
