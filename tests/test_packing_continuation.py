@@ -214,6 +214,30 @@ def test_a_stream_with_records_appended_saves_and_restores_through_a_checkpoint(
     assert [b["sample_keys"] for b in take(it, 4)] == [b["sample_keys"] for b in uninterrupted]
 
 
+@pytest.mark.parametrize("damage, named", [
+    (lambda s: s["shards"]["0"].pop("eras"),
+     r"state field `shards.0.eras.vlm_sft`: expected a list"),
+    (lambda s: s["shards"]["0"]["eras"].update(vlm_sft=[1, 2]), r"expected 1 entries, got 2"),
+    (lambda s: s["shards"]["0"]["eras"].update(vlm_sft=["1"]), r"expected a whole number"),
+    (lambda s: s["data_eras"].update(nope=[]), r"`data_eras`: no group 'nope'"),
+], ids=["eras_missing", "eras_too_many", "eras_not_a_number", "unknown_group"])
+def test_a_malformed_record_set_schedule_is_named_and_changes_nothing(data, demo_tokenizer,
+                                                                      damage, named):
+  cfg = config(data, num_epochs=2)
+  with pipeline(cfg, demo_tokenizer) as it:
+    take(it, 3)
+    state, manifests = json.loads(json.dumps(it.get_state())), it.manifests()
+  append_lines(data, 6)
+  with pipeline(cfg, demo_tokenizer) as it:
+    it.set_state(state, allow_changes=True, saved_manifests=manifests)
+    saved, eras = json.loads(json.dumps(it.get_state())), it.era_manifests()
+  damage(saved)
+  with pipeline(cfg, demo_tokenizer) as it:
+    with pytest.raises(StateMismatchError, match=named):
+      it.set_state(saved, saved_eras=eras)
+    assert it.get_state()["shards"]["0"]["rows"] == 0 and "data_eras" not in it.get_state()
+
+
 def with_video(cfg, data):
   """`cfg` with the demo's video dataset added to the vlm group."""
   from bagel_grain.config import DatasetSpec  # pylint: disable=import-outside-toplevel

@@ -209,10 +209,13 @@ class BatchIterator(StageIterator):
                    era_keys.known_sets(self._eras)):
       for group, sets in source.items():
         known.setdefault(group, []).extend(sets)
+    shards = stages.get("shards")
+    served = getattr(self._rows, "shards", ())
+    if not isinstance(shards, Mapping) or any(str(s) not in shards for s in served):
+      return self._eras  # parsing names what is missing
     next_index = {}
-    for shard in getattr(self._rows, "shards", ()):
-      entry = stages.get("shards", {}).get(str(shard)) if isinstance(
-          stages.get("shards"), Mapping) else None
+    for shard in served:
+      entry = shards[str(shard)]
       packer = entry.get("packer") if isinstance(entry, Mapping) else None
       indices = packer.get("next_index") if isinstance(packer, Mapping) else None
       next_index[shard] = indices if isinstance(indices, list) else []
