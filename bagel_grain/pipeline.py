@@ -12,6 +12,7 @@ import dataclasses
 import functools
 import hashlib
 import json
+import posixpath
 from typing import Any, Mapping, Sequence
 
 import grain
@@ -19,9 +20,10 @@ import numpy as np
 
 from bagel_grain import fs, images, storage
 from bagel_grain.config import STREAM_NEUTRAL_FIELDS, GroupConfig, PipelineConfig
-from bagel_grain.errors import ConfigError, DatasetError
+from bagel_grain.errors import ConfigError, DatasetError, StateMismatchError
 from bagel_grain.families.base import FamilyTransform
 from bagel_grain.packing.batch import BatchDataset, BatchIterator
+from bagel_grain.packing.eras import Plan
 from bagel_grain.packing.drop_policy import DropPolicy
 from bagel_grain.workers import Fetcher
 from bagel_grain.packing.layout import Geometry
@@ -32,8 +34,10 @@ from bagel_grain.packing.row import Capacities, default_capacities
 from bagel_grain.packing.shards import ShardInterleaveDataset
 from bagel_grain.packing.state import StreamIdentity
 from bagel_grain.sources import readahead
-from bagel_grain.sources.manifest import Manifest, dataset_manifest
-from bagel_grain.sources.records import ConcatSource, ShuffledRecords, dataset_roots
+from bagel_grain.sources.jsonl import JsonlLineSource
+from bagel_grain.sources.manifest import Manifest, dataset_manifest, tail_digest
+from bagel_grain.sources.parquet import ParquetRowSource
+from bagel_grain.sources.records import ConcatSource, EraStart, ShuffledRecords, dataset_roots
 
 
 def stream_seeds(cfg: PipelineConfig, seed: int | None = None) -> tuple[int, int]:
@@ -125,10 +129,13 @@ def family_transform(cfg: PipelineConfig, group: int, tokenizer) -> FamilyTransf
 
 
 def group_records(cfg: PipelineConfig, group: int, *, seed: int, shard: int = 0,
-                  shard_count: int = 1, source: ConcatSource | None = None) -> ShuffledRecords:
+                  shard_count: int = 1, source: ConcatSource | None = None,
+                  sets: Sequence[Sequence[tuple[int, int]]] = (),
+                  starts: Sequence[EraStart] = ()) -> ShuffledRecords:
   """One group's records in one logical shard, reshuffled each epoch; `seed` orders them.
 
-  `source` (default: the group's) may be shared by the shards of a process.
+  `source` (default: the group's) may be shared by the shards of a process. `sets` and
+  `starts`: the group's earlier record sets, when records were appended (`set_blocks`).
   """
   source = group_source(cfg, group) if source is None else source
   _check_share(cfg, group, source, shard_count)
@@ -136,9 +143,76 @@ def group_records(cfg: PipelineConfig, group: int, *, seed: int, shard: int = 0,
     return ShuffledRecords(source, seed=group_seed(seed, group), shard_index=shard,
                            shard_count=shard_count, num_epochs=cfg.num_epochs,
                            storage=storage.policy_for(cfg.storage_timeout_s,
-                                                      cfg.element_timeout_s))
+                                                      cfg.element_timeout_s),
+                           sets=sets, starts=starts)
   except DatasetError as e:
     raise DatasetError(f"group {cfg.groups[group].name!r}: {e}") from e
+
+
+def set_blocks(cfg: PipelineConfig, group: int, source: ConcatSource,
+               datasets: Mapping[str, Manifest]) -> list[tuple[int, int]]:
+  """The blocks of the group's `source` that held its records when its datasets were
+  `datasets` (a manifest each, of an earlier record set), in their order then; a
+  StateMismatchError naming the dataset and file when they are not all still there."""
+  g = cfg.groups[group]
+  ranges, offset = [], 0
+  for spec, part in zip(g.datasets, source.sources):
+    saved = datasets.get(spec.name)
+    if saved is not None:
+      where = f"group {g.name!r}, dataset {spec.name!r} under {saved.root}"
+      if spec.num_used_data is not None:
+        raise StateMismatchError(f"{where}: records were appended, and the dataset reads "
+                                 "`num_used_data` of them, which may be others now: start a "
+                                 "new stream (without the state) to take them in")
+      for a, b in _kept_blocks(where, part, saved):
+        if ranges and ranges[-1][1] == offset + a:  # adjacent files: one range
+          ranges[-1] = (ranges[-1][0], offset + b)
+        else:
+          ranges.append((offset + a, offset + b))
+    offset += part.num_blocks()
+  return ranges
+
+
+def grown_source(cfg: PipelineConfig, group: int, source: ConcatSource,
+                 sets: Sequence[Mapping[str, Manifest]]) -> ConcatSource:
+  """The group's `source` read on from its earlier record sets `sets` (oldest first): a
+  JSONL that grew reads the lines it had first, in the order it read them then
+  (`JsonlLineSource.grown_from`), so each earlier set is a prefix of its blocks."""
+  g = cfg.groups[group]
+  parts = []
+  for spec, part in zip(g.datasets, source.sources):
+    first = next((s[spec.name] for s in sets if spec.name in s), None)
+    if first is not None and isinstance(part, JsonlLineSource) and first.blocks < len(part):
+      part = part.grown_from(first.blocks)
+    parts.append(part)
+  return ConcatSource(parts, names=[d.name for d in g.datasets],
+                      roots=[dataset_roots(d) for d in g.datasets])
+
+
+def _kept_blocks(where: str, source, saved: Manifest) -> list[tuple[int, int]]:
+  """The blocks of one dataset's `source` that make up its `saved` records."""
+  if isinstance(source, JsonlLineSource):
+    (name, size), = saved.files
+    lines = saved.blocks
+    ends = (source.line_offset(lines) if lines < source.num_blocks()
+            else fs.file_info(source.path).size)
+    if lines > source.num_blocks() or ends != size or (
+        saved.tail is not None and tail_digest(source.path, size) != saved.tail):
+      raise StateMismatchError(f"{where}: {name} changed in its first {lines} lines (or its "
+                               f"first {size} bytes), not only grew: rewritten, not appended. "
+                               "A run continues only over the records it started with")
+    return [(0, lines)]
+  if isinstance(source, ParquetRowSource):
+    files = dict(saved.files)
+    out, first = [], 0
+    for path, blocks in source.file_blocks():
+      if posixpath.basename(path) in files:
+        out.append((first, first + blocks))
+      first += blocks
+    return out
+  raise StateMismatchError(f"{where}: records were appended to a dataset of "
+                           f"{type(source).__name__}, which cannot continue across them: "
+                           "start a new stream (without the state) to take them in")
 
 
 def prepared_samples(cfg: PipelineConfig, group: int, tokenizer, records: ShuffledRecords, *,
@@ -292,30 +366,45 @@ def build_pipeline(cfg: PipelineConfig, tokenizer, *, seed: int | None = None,
   pack = PackSpec(mandatory=mandatory, expected_num_tokens=cfg.expected_num_tokens,
                   max_num_tokens=cfg.max_num_tokens, prefer_buffer_before=cfg.prefer_buffer_before,
                   max_buffer_size=cfg.max_buffer_size, capacities=caps)
-  shards, described = {}, []
-  for s in served:
-    records = [group_records(cfg, g, seed=order_seed, shard=s, shard_count=count,
-                             source=sources[g]) for g in range(len(cfg.groups))]
-    described += [(s, r) for r in records]  # in the fetcher's order of the groups
-    groups = [prepared_samples(cfg, g, tokenizer, records[g], seed=seed, shard=s,
-                               readers=len(served)) for g in range(len(cfg.groups))]
-    mixed = MixDataset(groups, MixSpec(
-        group_names=tuple(g.name for g in cfg.groups), weights=weights,
-        records_per_epoch=tuple(r.records_per_epoch for r in records), seed=seed,
-        process_index=s, drops=drops))  # the weighted draws are keyed by the shard
-    shards[s] = PackDataset(mixed, pack)
-  # One fetcher (one pool of workers) for all served shards; their read-ahead shares it.
-  depths = read_ahead(weights, mandatory, workers / len(served))
-  rows = ShardInterleaveDataset(
-      shards, shard_count=count,
-      fetcher=functools.partial(Fetcher, workers=workers, depths=depths * len(served),
-                                timeout_s=cfg.element_timeout_s,
-                                describe=functools.partial(_describe, cfg, described,
-                                                           len(served) > 1),
-                                names=[g.name for _ in served for g in cfg.groups]))
-  return BatchDataset(rows, batch_size=cfg.batch_size if batch_size is None else batch_size,
+
+  def rows_on(eras: Plan) -> tuple[ShardInterleaveDataset, dict[int, dict[str, list[int]]]]:
+    """The served shards' rows with the groups' record sets `eras`, and per shard the
+    first epoch of each later set."""
+    grown = {g: grown_source(cfg, g, sources[g], eras[cfg.groups[g].name].sets)
+             for g in range(len(cfg.groups)) if cfg.groups[g].name in eras}
+    sets = {g: [set_blocks(cfg, g, source, m) for m in eras[cfg.groups[g].name].sets]
+            for g, source in grown.items()}
+    shards, described, resolved = {}, [], {}
+    for s in served:
+      records = [group_records(
+          cfg, g, seed=order_seed, shard=s, shard_count=count, source=grown.get(g, sources[g]),
+          sets=sets.get(g, ()), starts=eras[cfg.groups[g].name].starts[s] if g in sets else ())
+                 for g in range(len(cfg.groups))]
+      resolved[s] = {cfg.groups[g].name: records[g].era_starts() for g in sets}
+      described += [(s, r) for r in records]  # in the fetcher's order of the groups
+      groups = [prepared_samples(cfg, g, tokenizer, records[g], seed=seed, shard=s,
+                                 readers=len(served)) for g in range(len(cfg.groups))]
+      mixed = MixDataset(groups, MixSpec(
+          group_names=tuple(g.name for g in cfg.groups), weights=weights,
+          records_per_epoch=tuple(r.records_per_epoch for r in records), seed=seed,
+          process_index=s, drops=drops,  # the weighted draws are keyed by the shard
+          later_eras=tuple(r.later_eras() for r in records)))
+      shards[s] = PackDataset(mixed, pack)
+    # One fetcher (one pool of workers) for all served shards; their read-ahead shares it.
+    depths = read_ahead(weights, mandatory, workers / len(served))
+    return ShardInterleaveDataset(
+        shards, shard_count=count,
+        fetcher=functools.partial(Fetcher, workers=workers, depths=depths * len(served),
+                                  timeout_s=cfg.element_timeout_s,
+                                  describe=functools.partial(_describe, cfg, described,
+                                                             len(served) > 1),
+                                  names=[g.name for _ in served for g in cfg.groups])), resolved
+
+  return BatchDataset(rows_on({})[0],
+                      batch_size=cfg.batch_size if batch_size is None else batch_size,
                       capacities=caps, identity=stream_identity(
-                          cfg, tokenizer, seed=seed, shard_count=count, sources=sources))
+                          cfg, tokenizer, seed=seed, shard_count=count, sources=sources),
+                      rebuild=rows_on)
 
 
 def _describe(cfg: PipelineConfig, described: list[tuple[int, ShuffledRecords]],

@@ -25,7 +25,8 @@ def test_sealed_then_opened_gives_the_stages_state_back():
 
 
 def test_another_version_is_refused():
-  with pytest.raises(StateMismatchError, match=r"version 7; this bagel_grain reads versions \[1, 2, 3\]"):
+  with pytest.raises(StateMismatchError,
+                     match=r"version 7; this bagel_grain reads versions \[1, 2, 3, 4\]"):
     opened({**sealed({}, FINGERPRINT), "version": 7}, FINGERPRINT)
 
 

@@ -9,7 +9,7 @@ import pytest
 from bagel_grain.errors import DatasetError, StorageUnavailableError
 from bagel_grain.sources.jsonl import JsonlLineSource
 from bagel_grain.sources.parquet import ParquetRowSource
-from bagel_grain.sources.records import ConcatSource, ShuffledRecords, shard_blocks
+from bagel_grain.sources.records import ConcatSource, EraStart, ShuffledRecords, shard_blocks
 from bagel_grain.storage import RetryPolicy
 from parquet_files import ALL_IDS, NON_EMPTY_ROW_GROUPS, two_files, write_parquet
 
@@ -157,6 +157,58 @@ def test_fewer_row_groups_than_shards_splits_rows(tmp_path):
     seen.append([r.fields["id"] for r in _epoch(records, 0)])
   assert all(len(ids) >= 1 for ids in seen)
   assert sorted(sum(seen, [])) == ["r0", "r1", "r2", "r3", "r4", "r5"]
+
+
+# --- records appended: a set that grows between epochs ------------------------------------
+
+
+def _lines(records, epoch, per_epoch, first=0):
+  return [records[first + epoch * per_epoch + i].fields for i in range(per_epoch)]
+
+
+@pytest.mark.parametrize("shuffled", [False, True])
+def test_a_grown_set_keeps_the_epochs_before_it_and_every_record_in_its_shard(tmp_path,
+                                                                              shuffled):
+  path = tmp_path / "rows.jsonl"
+  path.write_text("".join(f"line {i}\n" for i in range(10)))
+  shuffle = dict(shuffle_lines=shuffled, shuffle_seed=4)
+  old = [ShuffledRecords(ConcatSource([JsonlLineSource(str(path), **shuffle)]), seed=9,
+                         shard_index=s, shard_count=3) for s in range(3)]
+  before = [[_lines(r, e, r.records_per_epoch) for e in range(2)] for r in old]
+  with path.open("a") as f:
+    f.write("".join(f"line {i}\n" for i in range(10, 17)))
+  grown_source = ConcatSource([JsonlLineSource(str(path), **shuffle).grown_from(10)])
+  grown = [ShuffledRecords(grown_source, seed=9, shard_index=s, shard_count=3, num_epochs=4,
+                           sets=[[(0, 10)]], starts=[EraStart(epoch=2)]) for s in range(3)]
+  everything = {f"line {i}".encode() for i in range(17)}
+  later = []
+  for s, records in enumerate(grown):
+    n = records.records_per_epoch
+    assert n == old[s].records_per_epoch  # the set it started with, as it was
+    assert [_lines(records, e, n) for e in range(2)] == before[s]  # the same order
+    (first, epoch, per_epoch), = records.later_eras()
+    assert (first, epoch) == (2 * n, 2) and records.era_starts() == [2]
+    assert len(records) == 2 * n + 2 * per_epoch
+    later.append([set(_lines(records, e, per_epoch, first)) for e in range(2)])
+    assert later[-1][0] == later[-1][1] >= set(before[s][0])  # a record keeps its shard
+    assert {records[first + i].epoch for i in range(per_epoch)} == {2}
+  for e in range(2):  # each later epoch covers every record once
+    assert set.union(*(x[e] for x in later)) == everything
+    assert sum(len(x[e]) for x in later) == 17
+
+
+@pytest.mark.parametrize("after, epoch", [(0, 0), (3, 1), (10, 1), (11, 2)])
+def test_a_grown_set_starts_at_the_first_epoch_not_begun(tmp_path, after, epoch):
+  path = tmp_path / "rows.jsonl"
+  path.write_text("".join(f"line {i}\n" for i in range(12)))
+  records = ShuffledRecords(ConcatSource([JsonlLineSource(str(path))]), seed=0,
+                            sets=[[(0, 10)]], starts=[EraStart(after=after)])
+  assert records.era_starts() == [epoch]
+  old = {f"line {i}".encode() for i in range(10)}
+  for e in range(epoch):  # the epochs begun: the ten lines it started with
+    assert {records[i].fields for i in range(e * 10, e * 10 + 10)} == old
+  grown = [records[i] for i in range(epoch * 10, epoch * 10 + 12)]
+  assert {r.epoch for r in grown} == {epoch} and len({r.fields for r in grown}) == 12
 
 
 def test_shard_blocks_needs_a_record_per_shard():

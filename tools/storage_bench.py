@@ -117,8 +117,7 @@ def measure_one(config_path: str, process_index: int, process_count: int) -> dic
   records = _shuffled_records(dataset)
   index_bytes = sum(_array_bytes(r, set()) for r in records)
   # Blocks of this process's share: row groups, or lines (blocks of one line).
-  units = sum(r.records_per_epoch if r._block_len is None else len(r._block_len)  # pylint: disable=protected-access
-              for r in records)
+  units = sum(r.blocks_per_epoch for r in records)
   it.close()
   return {"build_s": built, "first_batch_s": first, "rss_above_baseline_mib": (held - baseline) / 2**20,
           "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**10,

@@ -14,7 +14,9 @@ Each shard file names the save it belongs to (`save`: the step and a run identit
 all processes share), so a step holding a file of another save is refused, as is
 one whose files do not make up exactly the shards of its count. Process 0 also
 writes `data/data_manifest.json`, the files each dataset held: a restore onto
-changed data names the files that changed.
+changed data names the files that changed, and tells records appended from records
+rewritten; and, once records were appended at a restore, `data/data_eras.json`, the
+files of each group's earlier record sets (`packing/eras.py`).
 """
 
 from __future__ import annotations
@@ -106,7 +108,7 @@ def _naming(paths):
                              f"{', '.join(map(str, paths))}: {e}") from e
 
 
-_MANIFEST = "data_manifest.json"
+_MANIFEST, _ERAS = "data_manifest.json", "data_eras.json"
 
 
 class ShardStatesHandler:
@@ -132,6 +134,10 @@ class ShardStatesHandler:
       manifests = {group: {name: m.to_json() for name, m in datasets.items()}
                    for group, datasets in item.manifests().items()}
       (directory / _MANIFEST).write_text(json.dumps(manifests))
+      eras = {group: [{name: m.to_json() for name, m in s.items()} for s in sets]
+              for group, sets in item.era_manifests().items()}
+      if eras:
+        (directory / _ERAS).write_text(json.dumps(eras))
 
   def restore(self, directory: epath.Path, item: Any = None, args: Any = None) -> Any:
     item = item if item is not None else args.item
@@ -168,7 +174,8 @@ class ShardStatesHandler:
       joined = shards.joined_states(parts)
       joined.pop("save", None)
       item.set_state(joined, allow_changes=args.allow_changes,
-                     saved_manifests=_manifests(directory / _MANIFEST))
+                     saved_manifests=_manifests(directory / _MANIFEST),
+                     saved_eras=_era_manifests(directory / _ERAS))
     item.start_prefetch()
     return item
 
@@ -221,6 +228,18 @@ def _manifests(path: epath.Path) -> dict[str, dict[str, Manifest]] | None:
               for group, datasets in json.loads(path.read_text()).items()}
     except (KeyError, TypeError, ValueError, AttributeError) as e:
       raise StateMismatchError(f"malformed data manifest ({type(e).__name__}: {e})") from e
+
+
+def _era_manifests(path: epath.Path) -> dict[str, list[dict[str, Manifest]]] | None:
+  """The earlier record sets' manifests a checkpoint kept (None when it kept none)."""
+  if not path.exists():
+    return None
+  with _naming([path]):
+    try:
+      return {group: [{name: Manifest.from_json(m) for name, m in s.items()} for s in sets]
+              for group, sets in json.loads(path.read_text()).items()}
+    except (KeyError, TypeError, ValueError, AttributeError) as e:
+      raise StateMismatchError(f"malformed data eras ({type(e).__name__}: {e})") from e
 
 
 @ocp.args.register_with_handler(ShardStatesHandler, for_save=True)

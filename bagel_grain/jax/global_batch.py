@@ -160,7 +160,8 @@ class DevicePrefetchIterator(grain.DatasetIterator):
     return self._state
 
   def set_state(self, state: dict[str, Any], **options: Any) -> None:
-    """The pipeline's `set_state` (`options`: `allow_changes`, `saved_manifests`)."""
+    """The pipeline's `set_state` (`options`: `allow_changes`, `saved_manifests`,
+    `saved_eras`)."""
     self._stop_thread()
     self._parent.set_state(state, **options)
     self._state = self._parent.get_state()
@@ -169,6 +170,10 @@ class DevicePrefetchIterator(grain.DatasetIterator):
   def manifests(self):
     """The pipeline's data manifests (what a checkpoint keeps)."""
     return self._parent.manifests()
+
+  def era_manifests(self):
+    """The pipeline's earlier record sets' manifests (what a checkpoint keeps)."""
+    return self._parent.era_manifests()
 
   def close(self) -> None:
     if self._closed:

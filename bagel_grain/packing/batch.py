@@ -16,12 +16,13 @@ threads calling `next()` take turns.
 from __future__ import annotations
 
 import threading
-from typing import Any, Mapping, NoReturn, Sequence
+from typing import Any, Callable, Mapping, NoReturn, Sequence
 
 import grain
 
-from bagel_grain.errors import UnsupportedOperationError
+from bagel_grain.errors import StateMismatchError, UnsupportedOperationError
 from bagel_grain.packed_row import PackedBatch
+from bagel_grain.packing import eras as era_keys
 from bagel_grain.packing import state as envelope
 from bagel_grain.packing.pack import PackDataset, PackIterator, PackPosition
 from bagel_grain.packing.prepare import PreparedSample
@@ -30,8 +31,11 @@ from bagel_grain.packing.shards import (InterleavePosition, ShardInterleaveDatas
                                         ShardInterleaveIterator)
 from bagel_grain.packing.stage import StageIterator, interrupts_held
 from bagel_grain.sources.manifest import Manifest
+from bagel_grain.sources.records import EraStart
 
 SampleKeys = tuple[tuple[str, int, int, str], ...]
+# The rows again on other record sets, and where each later set starts per shard (pipeline).
+Rebuild = Callable[[era_keys.Plan], tuple[ShardInterleaveDataset, dict[int, dict[str, list[int]]]]]
 
 
 class BatchDataset(grain.IterDataset):
@@ -41,17 +45,20 @@ class BatchDataset(grain.IterDataset):
   """
 
   def __init__(self, rows: PackDataset | ShardInterleaveDataset, *, batch_size: int,
-               capacities: Capacities, identity: envelope.StreamIdentity):
+               capacities: Capacities, identity: envelope.StreamIdentity,
+               rebuild: Rebuild | None = None):
     super().__init__(rows)
     if batch_size < 1:
       raise ValueError(f"batch_size must be >= 1, got {batch_size}")
     self.batch_size = batch_size
     self.capacities = capacities
     self.identity = identity
+    self.rebuild = rebuild
 
   def __iter__(self) -> BatchIterator:
     return BatchIterator(self._parent.__iter__(), batch_size=self.batch_size,
-                         capacities=self.capacities, identity=self.identity)
+                         capacities=self.capacities, identity=self.identity,
+                         rebuild=self.rebuild)
 
   def __str__(self) -> str:
     return f"BatchDataset(batch_size={self.batch_size})"
@@ -80,12 +87,15 @@ class BatchIterator(StageIterator):
   the pipeline's counters."""
 
   def __init__(self, rows: PackIterator | ShardInterleaveIterator, *, batch_size: int,
-               capacities: Capacities, identity: envelope.StreamIdentity):
+               capacities: Capacities, identity: envelope.StreamIdentity,
+               rebuild: Rebuild | None = None):
     super().__init__(rows)
     self._rows = rows
     self._batch_size = batch_size
     self._capacities = capacities
     self._identity = identity
+    self._rebuild = rebuild
+    self._eras: era_keys.Plan = {}  # the groups' earlier record sets, when records were appended
     self._step = threading.Lock()  # one next() or set_state() at a time
     self._position_lock = threading.Lock()  # guards `_in_flight` and each change of position
     # The position a next() in progress started at.
@@ -134,28 +144,91 @@ class BatchIterator(StageIterator):
     return tuple((names[s.key.group], s.key.index, s.key.epoch, s.key.record) for s in members)
 
   def get_state(self) -> dict[str, Any]:
-    return envelope.sealed(self._rows.state_of(self._position()), self._identity.fingerprint)
+    state = self._rows.state_of(self._position())
+    if self._eras:
+      common, per_shard = era_keys.state_keys(
+          self._eras, {s: {name: [start.epoch for start in e.starts[s]]
+                           for name, e in self._eras.items()} for s in self._rows.shards})
+      state = {**state, era_keys.DATA_ERAS: common, "shards": {
+          key: {**entry, era_keys.ERAS: per_shard[int(key)]}
+          for key, entry in state["shards"].items()}}
+    return envelope.sealed(state, self._identity.fingerprint)
 
   def set_state(self, state: dict[str, Any], *, allow_changes: bool = False,
-                saved_manifests: Mapping[str, Mapping[str, Manifest]] | None = None) -> None:
+                saved_manifests: Mapping[str, Mapping[str, Manifest]] | None = None,
+                saved_eras: era_keys.Sets | None = None) -> None:
     """Continues from `state`, all checked first: a malformed or foreign one is a
     StateMismatchError naming the field, and the iterator stays where it was.
 
     `allow_changes`: continue across the changes a new stage of training makes
-    (weights, groups added or removed at the end; `packing.continuation`), never
-    across changed data. `saved_manifests` (a checkpoint keeps them): the data the
-    state was saved on, so that a refusal names the files that changed.
+    (weights, groups added or removed at the end, records appended;
+    `packing.continuation`), never across records removed or rewritten.
+    `saved_manifests` (a checkpoint keeps them): the data the state was saved on, so
+    that a refusal names the files that changed, and records appended can be told
+    from the records before; `saved_eras` (`era_manifests()`, kept too): the files of
+    the groups' earlier record sets.
     """
     with self._step:
-      position = self._rows.parse_state(envelope.opened(
-          state, self._identity, allow_changes=allow_changes, saved_manifests=saved_manifests))
-      self._rows.forget_prefetched()
+      stages = envelope.opened(state, self._identity, allow_changes=allow_changes,
+                               saved_manifests=saved_manifests)
+      eras = self._eras_of(stages, saved_manifests, saved_eras)
+      rows = self._rows
+      if eras != self._eras:  # other record sets: rows built on them, the old kept on error
+        if self._rebuild is None or not isinstance(rows, ShardInterleaveIterator):
+          raise StateMismatchError("this iterator cannot continue over records appended: "
+                                   "build it with build_pipeline")
+        dataset, resolved = self._rebuild(eras)
+        rows = dataset.__iter__()
+      try:
+        position = rows.parse_state(stages)
+      except BaseException:
+        if rows is not self._rows:
+          rows.close()
+        raise
+      if rows is self._rows:
+        self._rows.forget_prefetched()
+      else:
+        eras = {name: era_keys.GroupEras(e.sets, {
+            s: tuple(EraStart(epoch=n) for n in resolved[s][name]) for s in e.starts})
+                for name, e in eras.items()}
       with interrupts_held(), self._position_lock:
+        if rows is not self._rows:
+          old, self._rows, self._eras = self._rows, rows, eras
+          self._parents = (rows,)
+          old.close()
         self._rows.restore(position)
+
+  def _eras_of(self, stages: Mapping[str, Any],
+               saved_manifests: Mapping[str, Mapping[str, Manifest]] | None,
+               saved_eras: era_keys.Sets | None) -> era_keys.Plan:
+    """The record sets `stages` goes on over (`packing.eras`)."""
+    if era_keys.DATA_ERAS not in stages:
+      return {}
+    known: dict[str, list[Mapping[str, Manifest]]] = {}
+    for source in (saved_eras or {}, {g: [m] for g, m in (saved_manifests or {}).items()},
+                   era_keys.known_sets(self._eras)):
+      for group, sets in source.items():
+        known.setdefault(group, []).extend(sets)
+    shards = stages.get("shards")
+    served = getattr(self._rows, "shards", ())
+    if not isinstance(shards, Mapping) or any(str(s) not in shards for s in served):
+      return self._eras  # parsing names what is missing
+    next_index = {}
+    for shard in served:
+      entry = shards[str(shard)]
+      packer = entry.get("packer") if isinstance(entry, Mapping) else None
+      indices = packer.get("next_index") if isinstance(packer, Mapping) else None
+      next_index[shard] = indices if isinstance(indices, list) else []
+    return era_keys.plan(stages, self._rows.group_names, known=known, next_index=next_index)
 
   def manifests(self) -> Mapping[str, Mapping[str, Manifest]]:
     """Per group and dataset, the data this stream reads (what a checkpoint keeps)."""
     return self._identity.manifests
+
+  def era_manifests(self) -> era_keys.Sets:
+    """Per group whose records were appended to at a restore, the files of each earlier
+    record set (what a checkpoint keeps beside `manifests()`)."""
+    return era_keys.known_sets(self._eras)
 
   def stats(self) -> dict[str, Any]:
     """The packer's counters (drawn, packed, dropped by reason, epochs); see PackIterator."""

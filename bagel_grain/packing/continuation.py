@@ -9,19 +9,25 @@ difference is refused by name. Asked to (`allow_changes=True` on `set_state` or
 - groups added after the existing ones start at their epoch 0 (a logical shard that
   had run out of records serves theirs);
 - the last groups removed leave the state; their buffered and carried samples are
-  not packed, and one warning names each group and counts them.
+  not packed, and one warning names each group and counts them;
+- records appended to a group's data (lines to a JSONL, parquet files to a folder,
+  a dataset to the group): each logical shard finishes the epoch it is in over the
+  records it started with, each once, and the grown set joins from its next epoch
+  (`packing.eras` keeps the earlier sets). Telling appended from rewritten takes
+  the file lists a checkpoint keeps (`saved_manifests`); without them it is refused.
 
 A group's randomness (record order, family choices, dropout) is keyed by its
 position in `grouped_datasets`, so a group in the middle cannot come or go without
 changing the others' streams: retire one by setting its weight to 0 instead.
-Data that changed under a dataset (files added, removed or resized, other blocks)
-is refused in both modes, naming the dataset and the files (docs/changes.md).
+Records removed or rewritten (a file deleted, shrunk, or changed under its name)
+are refused in both modes, naming the dataset and the files (docs/changes.md).
 """
 
 from __future__ import annotations
 
 import collections
 import dataclasses
+import json
 import logging
 from typing import Any, Mapping, Sequence
 
@@ -69,14 +75,19 @@ class Changes:
 def applied(stages: dict[str, Any], changes: Changes, *, allow: bool) -> dict[str, Any]:
   """`stages` (the state's part under the envelope) for our stream, or StateMismatchError
   naming every difference that cannot be continued (or, without `allow`, every one)."""
-  allowed, refused, data = _classified(changes)
+  allowed, refused, data, appended = _classified(changes)
   problems = []
   if refused:
     problems.append("; ".join(refused))
   if data:
+    hint = ("" if changes.saved_manifests else
+            "; telling records appended from records rewritten takes the file lists the state "
+            "was saved on: restore through bagel_grain.jax.restore, or pass `saved_manifests` "
+            "to set_state")
     problems.append("the data changed under the state: " + "; ".join(data) + ". A run "
-                    "continues only over the records it started with: restore the data, or "
-                    "start a new stream (without the state)")
+                    "continues only over the records it started with, and records appended "
+                    "to them (with allow_changes=True)" + hint + ". Restore the data, or start "
+                    "a new stream (without the state)")
   if allowed and not allow:
     problems.append("; ".join(allowed) + ". To continue across these (the next stage of "
                     "training), restore with allow_changes=True (docs/changes.md)")
@@ -87,6 +98,8 @@ def applied(stages: dict[str, Any], changes: Changes, *, allow: bool) -> dict[st
         "`logical_shards`: the same process count), or start without the state.")
   if changes.regrouped:
     stages = _regrouped(stages, changes.saved_groups, changes.our_groups)
+  for group in appended:
+    stages = _grown(stages, changes, group)
   return stages
 
 
@@ -97,8 +110,9 @@ def _name(key: str) -> str:
   return key
 
 
-def _classified(changes: Changes) -> tuple[list[str], list[str], list[str]]:
-  """(allowed with allow_changes, refused in any case, data changes by dataset)."""
+def _classified(changes: Changes) -> tuple[list[str], list[str], list[str], list[str]]:
+  """(allowed with allow_changes, refused in any case, data changes by dataset refused,
+  groups whose records were appended to)."""
   moved = changes.moved_groups()
   allowed, refused, datasets = [], [], {}
   if not changes.regrouped and list(changes.saved_groups) != list(changes.our_groups):
@@ -124,12 +138,70 @@ def _classified(changes: Changes) -> tuple[list[str], list[str], list[str]]:
       elif parts[2] in changes.saved_groups and parts[2] in changes.our_groups and (
           parts[3:] == ["weight"]):
         allowed.append(detail)
+      elif parts[3:] == ["datasets"] and _datasets_added(changes.saved.get(key),
+                                                         changes.ours.get(key)):
+        continue  # each dataset added is named with the data below
       elif parts[2] in changes.saved_groups and parts[2] in changes.our_groups:
         refused.append(detail)
     else:
       refused.append(detail)
-  return allowed, refused, [_dataset_changes(changes, g, d) for g, d in datasets]
+  appended, data = [], []
+  for group, dataset in datasets:
+    what = _appended(changes, group, dataset)
+    if what is None:
+      data.append(_dataset_changes(changes, group, dataset))
+      continue
+    allowed.append(f"group {group!r}, " + manifest.describe(
+        dataset, changes.our_manifests.get(group, {}).get(dataset), [f"records appended ({what})"]))
+    if group not in appended:
+      appended.append(group)
+  return allowed, refused, data, appended
 
+
+def _datasets_added(saved: Any, ours: Any) -> bool:
+  """Whether a group's datasets ([name, num_used_data, format] each) are the saved ones
+  with others added, the saved in their order."""
+  if not isinstance(saved, list) or not isinstance(ours, list):
+    return False
+  rest = iter(json.dumps(d) for d in ours)
+  return all(json.dumps(d) in rest for d in saved)
+
+
+def _appended(changes: Changes, group: str, dataset: str) -> str | None:
+  """What was appended to a dataset ("dataset added", "sft.jsonl: 6 lines appended"), or
+  None when its records were removed or rewritten, or the file lists to tell are not at
+  hand (`manifest.appended`)."""
+  prefix = f"data.{group}.{dataset}."
+  if not any(k.startswith(prefix) for k in changes.saved):
+    return "dataset added" if any(k.startswith(prefix) for k in changes.ours) else None
+  saved = changes.saved_manifests.get(group, {}).get(dataset)
+  ours = changes.our_manifests.get(group, {}).get(dataset)
+  if saved is None or ours is None:
+    return None
+  formats = {d[0]: d[2] for d in changes.ours.get(f"config.groups.{group}.datasets") or ()
+             if isinstance(d, list) and len(d) == 3}
+  return manifest.appended(saved, ours, str(formats.get(dataset)))
+
+
+def _grown(stages: dict[str, Any], changes: Changes, group: str) -> dict[str, Any]:
+  """`stages` with the group's saved records as an earlier set (`packing.eras`): each
+  shard's next set starts at the first epoch it has not begun (null until the pipeline
+  resolves it)."""
+  prefix = f"data.{group}."
+  summaries: dict[str, dict[str, Any]] = {}
+  for key, value in changes.saved.items():
+    if key.startswith(prefix):
+      dataset, field = key[len(prefix):].rsplit(".", 1)
+      summaries.setdefault(dataset, {})[field] = value
+  data_eras = dict(_mapping(stages.get("data_eras")))
+  data_eras[group] = list(data_eras.get(group, [])) + [summaries]
+  shards = {}
+  for shard, entry in _mapping(stages.get("shards")).items():
+    entry = dict(_mapping(entry))
+    eras = dict(_mapping(entry.get("eras")))
+    eras[group] = list(eras.get(group, [])) + [None]
+    shards[shard] = {**entry, "eras": eras}
+  return {**stages, "data_eras": data_eras, "shards": shards}
 
 def _dataset_changes(changes: Changes, group: str, dataset: str) -> str:
   saved = changes.saved_manifests.get(group, {}).get(dataset)
@@ -181,11 +253,16 @@ def _regrouped(stages: dict[str, Any], saved: Sequence[str],
     entry["packer"] = packer
     if len(ours) > n:
       entry["ended"] = False  # a shard whose groups ran out has the new groups' records
+    if "eras" in entry:  # the record sets of groups that left go with them
+      entry["eras"] = {g: e for g, e in _mapping(entry["eras"]).items() if g in ours}
     shards[shard] = entry
   for group in saved[n:]:
     _log.warning("group %r left the stream at this restore (allow_changes): %d of its samples "
                  "waiting in the packer's buffer are not packed", group, lost[group])
-  return {**stages, "shards": shards}
+  out = {**stages, "shards": shards}
+  if "data_eras" in stages:
+    out["data_eras"] = {g: e for g, e in _mapping(stages["data_eras"]).items() if g in ours}
+  return out
 
 
 def _regrouped_stats(stats: Mapping[str, Any], ours: Sequence[str]) -> dict[str, Any]:

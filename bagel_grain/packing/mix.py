@@ -87,6 +87,9 @@ class MixSpec:
   seed: int
   process_index: int
   drops: DropPolicy
+  # Per group, (first element, first epoch, records per epoch) of each record set after
+  # the first (records appended at a restore; sources/records.py).
+  later_eras: tuple[tuple[tuple[int, int, int], ...], ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -195,9 +198,15 @@ class MixIterator(PositionedStageIterator):
   def epochs(self, position: MixPosition | None = None) -> dict[str, int]:
     """Per group, the epoch of the last element drawn (at `position`, default now)."""
     next_index = self._next_index if position is None else position.next_index
-    return {name: max(0, next_index[g] - 1) // n
-            for g, (name, n) in enumerate(zip(self._spec.group_names,
-                                              self._spec.records_per_epoch))}
+    return {name: self._epoch_of(g, max(0, next_index[g] - 1))
+            for g, name in enumerate(self._spec.group_names)}
+
+  def _epoch_of(self, group: int, index: int) -> int:
+    eras = self._spec.later_eras[group] if self._spec.later_eras else ()
+    for first, epoch, n in reversed(eras):
+      if index >= first:
+        return epoch + (index - first) // n
+    return index // self._spec.records_per_epoch[group]
 
   def position(self) -> MixPosition:
     return MixPosition(tuple(self._next_index), self._draws, self._counts.to_json(),

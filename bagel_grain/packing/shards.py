@@ -31,6 +31,7 @@ from bagel_grain.packing.stage import PositionedStageIterator
 from bagel_grain.packing.state import entry, mapping, whole
 
 _SHARD_KEYS = ("shard", "rows", "ended", "packer")  # a shard's part of a saved state
+_OPTIONAL_SHARD_KEYS = ("eras",)  # where a group's later record sets start (packing/eras.py)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -110,6 +111,11 @@ class ShardInterleaveIterator(PositionedStageIterator):
   @property
   def group_names(self) -> tuple[str, ...]:
     return next(iter(self._packers.values())).group_names
+
+  @property
+  def shards(self) -> tuple[int, ...]:
+    """The logical shards this process serves."""
+    return tuple(self._packers)
 
   def __next__(self) -> tuple[PreparedSample, ...]:
     return self._stats.record_output_spec(self._own_time(self._next_row))
@@ -230,7 +236,7 @@ def joined_states(parts: Iterable[dict[str, Any]]) -> dict[str, Any]:
     part = mapping(part, "state")
     for key in _SHARD_KEYS:
       entry(part, key)
-    rest = {k: v for k, v in part.items() if k not in _SHARD_KEYS}
+    rest = {k: v for k, v in part.items() if k not in _SHARD_KEYS + _OPTIONAL_SHARD_KEYS}
     if common is None:
       common, first = rest, part["shard"]
     elif rest.get("save") != common.get("save"):
@@ -243,7 +249,8 @@ def joined_states(parts: Iterable[dict[str, Any]]) -> dict[str, Any]:
                                f"than the other shards ({rest} vs {common})")
     if str(part["shard"]) in shards:
       raise StateMismatchError(f"logical shard {part['shard']} was saved twice")
-    shards[str(part["shard"])] = {k: part[k] for k in _SHARD_KEYS if k != "shard"}
+    shards[str(part["shard"])] = {k: part[k] for k in _SHARD_KEYS + _OPTIONAL_SHARD_KEYS
+                                  if k != "shard" and k in part}
   if common is None:
     raise StateMismatchError("no logical shard states to restore from")
   return {**common, "shards": shards}

@@ -7,7 +7,9 @@ given config and process count (lists of fixed length, every counter present),
 as Grain's checkpoint contract asks. Version 2 held only what was in use (lists
 as long as their content, counters when non-zero) and reads as it is; version 1
 (release 0.1.0, one process's packing state) is read as the single shard of its
-process. A stage parses its
+process. Version 4 is version 3 plus the earlier record sets of groups whose
+records were appended at a restore (packing/eras.py): written only then, so that a
+release that cannot continue over them refuses it. A stage parses its
 keys with the helpers below before it changes anything, so a malformed state is
 a StateMismatchError naming the field, and the iterator stays where it was.
 """
@@ -23,12 +25,14 @@ from bagel_grain.packing import continuation
 from bagel_grain.sources.manifest import Manifest
 
 STATE_VERSION = 3
-READABLE_VERSIONS = (1, 2, 3)  # 2: lists and counters hold only what is used
+ERAS_VERSION = 4  # a state holding earlier record sets (`packing.eras`): older readers refuse it
+READABLE_VERSIONS = (1, 2, 3, 4)  # 2: lists and counters hold only what is used
 
 
 def sealed(state: dict[str, Any], fingerprint: dict[str, Any]) -> dict[str, Any]:
   """`state` inside the envelope: version and fingerprint first."""
-  return {"version": STATE_VERSION, "fingerprint": dict(fingerprint), **state}
+  version = ERAS_VERSION if "data_eras" in state else STATE_VERSION
+  return {"version": version, "fingerprint": dict(fingerprint), **state}
 
 
 def _from_version_1(state: Mapping[str, Any]) -> dict[str, Any]:

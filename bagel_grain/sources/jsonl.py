@@ -87,6 +87,41 @@ class JsonlLineSource:
           self._line, self._start, self._length))
     return part
 
+  def line_offset(self, position: int) -> int:
+    """The byte where the line at `position` starts (of a source not shuffled)."""
+    part = self.restrict(position, position + 1)
+    part._load()  # pylint: disable=protected-access
+    return int(part._start[0])  # pylint: disable=protected-access
+
+  @property
+  def path(self) -> str:
+    return self._path
+
+  def grown_from(self, lines: int) -> JsonlLineSource:
+    """The file read on from when it had `lines` lines: those first, in the order the
+    source had then (`shuffle_lines` shuffles `lines` lines), then the lines appended
+    since, in file order. Loaded."""
+    index = self._index if self._index is not None else sidecar.LineIndex(self._path)
+    if not 0 < lines <= index.count:
+      raise ValueError(f"{self._path} has {index.count} lines, not {lines} or more")
+    before = (np.arange(lines, dtype=np.int64) if self._seed is None
+              else sidecar.upstream_line_order(lines, self._seed).astype(np.int64))
+    order = np.concatenate([before, np.arange(lines, index.count, dtype=np.int64)])
+    starts, lengths = index.spans(order)
+    part = JsonlLineSource.__new__(JsonlLineSource)
+    part.__dict__.update(self.__dict__)
+    part._span, part._file, part._index = (0, len(order)), None, None
+    part._line = order.astype(np.int32 if index.count < 2**31 else np.int64)
+    part._start = starts
+    part._length = lengths.astype(np.uint32 if len(lengths) == 0 or lengths.max() < 2**32
+                                  else np.int64)
+    return part
+
+  @property
+  def shuffled(self) -> bool:
+    """Whether lines are read in a shuffled order (`shuffle_lines`)."""
+    return self._seed is not None
+
   def __getstate__(self):
     self._load()  # workers get the arrays, never the index
     state = self.__dict__.copy()

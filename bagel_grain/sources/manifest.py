@@ -7,7 +7,8 @@ JSONL lines in use, ArrayRecord records). Paths are relative, so the same data
 copied to a bucket has the same manifest. A state carries one short summary per
 dataset (`summary`: counts and a digest, some 80 bytes); a checkpoint keeps the
 whole manifest beside it, so a restore onto changed data names the files that
-changed (`changes`).
+changed (`changes`), and tells records appended from records rewritten
+(`appended`): a JSONL's manifest also holds a digest of its last bytes (`tail`).
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ class Manifest:
   root: str
   files: tuple[tuple[str, int], ...]
   blocks: int
+  tail: str | None = None  # a JSONL's last TAIL_BYTES, hashed: its lines still there?
 
   def summary(self) -> dict[str, Any]:
     """What the state keeps of it: counts, and a digest of the file list and sizes."""
@@ -39,12 +41,27 @@ class Manifest:
             "blocks": self.blocks, "digest": hashlib.sha256(listing).hexdigest()[:16]}
 
   def to_json(self) -> dict[str, Any]:
-    return {"root": self.root, "files": [list(f) for f in self.files], "blocks": self.blocks}
+    tail = {} if self.tail is None else {"tail": self.tail}
+    return {"root": self.root, "files": [list(f) for f in self.files], "blocks": self.blocks,
+            **tail}
 
   @classmethod
   def from_json(cls, value: Mapping[str, Any]) -> Manifest:
+    tail = value.get("tail")
     return cls(str(value["root"]), tuple((str(p), int(n)) for p, n in value["files"]),
-               int(value["blocks"]))
+               int(value["blocks"]), None if tail is None else str(tail))
+
+
+TAIL_BYTES = 4096
+
+
+def tail_digest(path: str, size: int) -> str:
+  """A digest of the file's bytes [size - TAIL_BYTES, size): the end of the lines a JSONL
+  held at `size` bytes, read again when it has grown."""
+  start = max(0, size - TAIL_BYTES)
+  with fs.open_random_access(path) as f:
+    data = f.read_at(size - start, start)
+  return hashlib.sha256(data).hexdigest()[:16]
 
 
 def dataset_manifest(spec: DatasetSpec, record_format: str, source: RecordSource) -> Manifest:
@@ -57,7 +74,9 @@ def dataset_manifest(spec: DatasetSpec, record_format: str, source: RecordSource
     files = [(_relative(p, root), fs.file_info(p).size) for p in paths]
   elif record_format == "jsonl":
     root = fs.dirname(spec.jsonl_path)
-    files = [(_relative(spec.jsonl_path, root), fs.file_info(spec.jsonl_path).size)]
+    size = fs.file_info(spec.jsonl_path).size
+    return Manifest(root, ((_relative(spec.jsonl_path, root), size),), source.num_blocks(),
+                    tail_digest(spec.jsonl_path, size))
   else:
     root = spec.data_dir
     files = [(i.base_name, i.size) for i in fs.list_file_infos(spec.data_dir, ".parquet")]
@@ -81,6 +100,24 @@ def changes(saved: Manifest, now: Manifest) -> list[str]:
   if saved.blocks != now.blocks:
     out.append(f"blocks (row groups, lines or records) {saved.blocks} -> {now.blocks}")
   return out
+
+
+def appended(saved: Manifest, now: Manifest, record_format: str) -> str | None:
+  """What was appended ("sft.jsonl: 6 lines appended", "part-9.parquet added"), when the
+  dataset only grew: every file it had is still there, a parquet file at its size, a
+  JSONL longer (its old lines are checked when the stream is built: `jsonl_prefix`).
+  None when records were removed or rewritten, or nothing was appended."""
+  before, after = dict(saved.files), dict(now.files)
+  if set(before) - set(after):
+    return None
+  if record_format == "jsonl" and len(before) == len(after) == 1:
+    (name, size), = saved.files
+    grown = now.blocks - saved.blocks
+    return f"{name}: {grown} lines appended" if after[name] > size and grown > 0 else None
+  if record_format != "parquet" or any(after[p] != n for p, n in before.items()):
+    return None
+  added = sorted(set(after) - set(before))
+  return f"{', '.join(added)} added" if added else None
 
 
 def summary_changes(saved: Mapping[str, Any], now: Mapping[str, Any]) -> list[str]:

@@ -121,6 +121,10 @@ class ParquetCatalog:
   def num_blocks(self) -> int:
     return len(self._file_blocks)
 
+  def file_block_counts(self) -> np.ndarray:
+    """The blocks of each file, in order."""
+    return self._file_blocks.sizes
+
   def blocks(self, first: int, last: int) -> tuple[np.ndarray, np.ndarray, np.ndarray,
                                                    np.ndarray]:
     """Blocks [first, last) as arrays: file number, row group, rows, first row in the file."""
@@ -216,6 +220,14 @@ class ParquetRowSource:
     arrays = (self._block_file, self._block_rg, self._blocks.sizes, self._block_file_row)
     part._set_blocks(*(a[first:last] for a in arrays))
     return part
+
+  def file_blocks(self) -> list[tuple[str, int]]:
+    """(file, blocks) of each of the files, in order (of a source not restricted)."""
+    if self._catalog is not None:
+      counts = self._catalog.file_block_counts()
+    else:
+      counts = np.bincount(self._block_file, minlength=len(self._files))
+    return [(f, int(n)) for f, n in zip(self._files, counts)]
 
   def _build(self) -> None:
     if not self._built:

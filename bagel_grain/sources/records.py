@@ -4,6 +4,11 @@ Element `i` of the resulting MapDataset is the record the stream sees i-th: its
 index is the sample key Grain seeds the family's RNG with. Each epoch permutes
 the source's blocks (parquet row groups; single lines for JSONL) and the rows
 inside each block, so a pass reads every row group once.
+
+A group whose records were appended to at a restore (docs/changes.md) has eras:
+the epochs up to the one in progress cover the records it started with, later
+ones the grown set. A shard's share of a grown set is its share of the set
+before, plus its share of the records appended: a record never changes shard.
 """
 
 from __future__ import annotations
@@ -108,6 +113,11 @@ class ConcatSource:
       start += n
     return ConcatSource(parts, datasets, names=self._names, roots=self._roots)
 
+  def restrict_ranges(self, ranges: Sequence[tuple[int, int]]) -> ConcatSource:
+    """The blocks of `ranges` ([first, last) each), in that order."""
+    return joined_sources([self.restrict(first, last) for first, last in ranges if first < last],
+                          like=self)
+
   def locate(self, index: int) -> tuple[int, int]:
     """(dataset number, index within that dataset)."""
     part, i = self._offsets.locate(index)
@@ -145,6 +155,13 @@ class ConcatSource:
     return None if size_of is None else size_of(i)
 
 
+def joined_sources(parts: Sequence[ConcatSource], *, like: ConcatSource) -> ConcatSource:
+  """`parts` (restrictions of `like`) end to end, as one source."""
+  # pylint: disable=protected-access
+  return ConcatSource([s for p in parts for s in p._sources],
+                      [d for p in parts for d in p._datasets], names=like._names, roots=like._roots)
+
+
 def block_share(num_blocks: int, shard_index: int, shard_count: int) -> tuple[int, int]:
   """Blocks [first, last) of one logical shard: `np.array_split`'s contiguous share, by
   arithmetic."""
@@ -171,6 +188,52 @@ def shard_blocks(sizes: np.ndarray, shard_index: int,
   return starts[share], sizes[share]
 
 
+@dataclasses.dataclass
+class _Era:
+  """One record set of a shard: its records (`source`, blocks at `starts` of `lens` rows,
+  `lens` None when every block is one record at consecutive places from `starts`), and
+  the epochs and elements it covers from `first_epoch` and `first_index` on."""
+
+  source: ConcatSource
+  starts: Any
+  lens: np.ndarray | None
+  per_epoch: int
+  first_epoch: int = 0
+  first_index: int = 0
+
+
+def _era(source: ConcatSource, starts: np.ndarray, lens: np.ndarray) -> _Era:
+  # One record per block at consecutive places (JSONL lines): the first place is all it
+  # takes, and an epoch's order is a permutation of the places.
+  per_epoch = int(lens.sum())
+  if np.all(lens == 1) and np.all(np.diff(starts) == 1):
+    return _Era(source, int(starts[0]) if len(starts) else 0, None, per_epoch)
+  return _Era(source, starts, lens, per_epoch)
+
+
+def _share(source: ConcatSource, shard_index: int, shard_count: int, *,
+           may_be_empty: bool = False) -> tuple[ConcatSource, np.ndarray, np.ndarray]:
+  """A shard's share of `source` as (source, block starts, block sizes): its contiguous
+  blocks, restricted to; or, with fewer blocks than shards, rows one by one (an appended
+  part may then leave a shard nothing)."""
+  if source.num_blocks() >= shard_count:
+    source = source.restrict(*block_share(source.num_blocks(), shard_index, shard_count))
+    return (source, *shard_blocks(source.block_sizes(), 0, 1))
+  if may_be_empty:
+    rows = np.array_split(np.arange(len(source), dtype=np.int64), shard_count)[shard_index]
+    return source, rows, np.ones(len(rows), np.int64)
+  return (source, *shard_blocks(source.block_sizes(), shard_index, shard_count))
+
+
+@dataclasses.dataclass(frozen=True)
+class EraStart:
+  """Where a grown record set starts in a shard: at `epoch`, or (`after`: a shard's next
+  element index at the restore that appended) at the first epoch not yet begun there."""
+
+  epoch: int | None = None
+  after: int | None = None
+
+
 class ShuffledRecords(grain.MapDataset):
   """One logical shard's records, reshuffled each epoch; endless when `num_epochs` is None.
 
@@ -179,6 +242,10 @@ class ShuffledRecords(grain.MapDataset):
   first block, a constant shift that leaves the order (a permutation of blocks,
   then of rows inside each) exactly as on the whole source.
 
+  `sets` (records appended at restores): the block ranges of `source` that made up
+  the group before each append, oldest first; `starts` where each later set begins
+  (one per set). Without them the source is one set from epoch 0.
+
   A read that fails for good (the file is gone, or damaged) gives a record carrying
   its drop; one that fails transiently is retried under `storage` and, past its
   deadline, raises `StorageUnavailableError` (nothing dropped).
@@ -186,27 +253,40 @@ class ShuffledRecords(grain.MapDataset):
 
   def __init__(self, source: ConcatSource, *, seed: int, shard_index: int = 0,
                shard_count: int = 1, num_epochs: int | None = None,
-               storage: RetryPolicy | None = None):
+               storage: RetryPolicy | None = None,
+               sets: Sequence[Sequence[tuple[int, int]]] = (),
+               starts: Sequence[EraStart] = ()):
     super().__init__()
+    if len(sets) != len(starts):
+      raise ValueError(f"{len(sets)} earlier record sets, {len(starts)} starts")
     self._storage = storage or RetryPolicy()
-    if source.num_blocks() >= shard_count:
-      source = source.restrict(*block_share(source.num_blocks(), shard_index, shard_count))
-      share = (0, 1)
-    else:  # fewer blocks than shards: rows are shared out one by one
-      share = (shard_index, shard_count)
-    self._source = source
-    starts, lens = shard_blocks(source.block_sizes(), *share)
-    self._per_epoch = int(lens.sum())
-    # One record per block at consecutive places (JSONL lines): the first place is all it
-    # takes, and an epoch's order is a permutation of the places.
-    self._block_start, self._block_len = (
-        (int(starts[0]) if len(starts) else 0, None) if np.all(lens == 1) else (starts, lens))
-    if self._per_epoch == 0:
+    ranges = [list(r) for r in sets] + [[(0, source.num_blocks())]]
+    era = _era(*_share(source.restrict_ranges(ranges[0]) if sets else source, shard_index,
+                       shard_count))
+    if era.per_epoch == 0:
       raise DatasetError("the group has no records")
+    self._eras = [era]
+    for before, now, start in zip(ranges, ranges[1:], starts):
+      added = source.restrict_ranges(_minus(now, before))
+      part, rows, lens = _share(added, shard_index, shard_count, may_be_empty=True)
+      prev = self._eras[-1]
+      old_starts, old_lens = _blocks_of(prev)
+      grown = _era(joined_sources([prev.source, part], like=source),
+                   np.concatenate([old_starts, rows + len(prev.source)]).astype(np.int64),
+                   np.concatenate([old_lens, lens]).astype(np.int64))
+      grown.first_epoch = (start.epoch if start.epoch is not None else prev.first_epoch + max(
+          0, -(-(start.after - prev.first_index) // prev.per_epoch)))
+      if grown.first_epoch < prev.first_epoch:
+        raise DatasetError(f"a record set starts at epoch {grown.first_epoch}, before the "
+                           f"one it grew from ({prev.first_epoch})")
+      grown.first_index = prev.first_index + (grown.first_epoch - prev.first_epoch) * prev.per_epoch
+      self._eras.append(grown)
+    self._source = self._eras[0].source  # the first set's: what a group of one set reads
+    self._per_epoch = self._eras[0].per_epoch
     self._seed = seed
     self._shard_index = shard_index
     self._num_epochs = num_epochs
-    self._orders: dict[int, np.ndarray] = {}
+    self._orders: dict[tuple[int, int], np.ndarray] = {}
     self._lock = threading.Lock()
 
   def __getstate__(self):
@@ -220,67 +300,98 @@ class ShuffledRecords(grain.MapDataset):
 
   @property
   def records_per_epoch(self) -> int:
+    """Records per epoch of the first set (the only one, unless records were appended)."""
     return self._per_epoch
+
+  @property
+  def blocks_per_epoch(self) -> int:
+    """Blocks (row groups, or single records) per epoch of the first set."""
+    era = self._eras[0]
+    return era.per_epoch if era.lens is None else len(era.lens)
+
+  def era_starts(self) -> list[int]:
+    """The first epoch of each later record set in this shard."""
+    return [e.first_epoch for e in self._eras[1:]]
+
+  def later_eras(self) -> tuple[tuple[int, int, int], ...]:
+    """(first element, first epoch, records per epoch) of each later record set."""
+    return tuple((e.first_index, e.first_epoch, e.per_epoch) for e in self._eras[1:])
 
   def __len__(self) -> int:
     if self._num_epochs is None:
       return sys.maxsize
-    return self._per_epoch * self._num_epochs
+    last = self._eras[self._last_era()]
+    return last.first_index + (self._num_epochs - last.first_epoch) * last.per_epoch
+
+  def _last_era(self) -> int:
+    """The last era that starts within `num_epochs`."""
+    n = 0
+    while (n + 1 < len(self._eras) and (
+        self._num_epochs is None or self._eras[n + 1].first_epoch < self._num_epochs)):
+      n += 1
+    return n
 
   def __str__(self) -> str:
     return f"ShuffledRecords(records_per_epoch={self._per_epoch}, epochs={self._num_epochs})"
 
-  def _order(self, epoch: int) -> np.ndarray:
+  def _order(self, era: int, epoch: int) -> np.ndarray:
     with self._lock:
-      order = self._orders.get(epoch)
+      order = self._orders.get((era, epoch))
     if order is not None:
       return order
+    e = self._eras[era]
     rng = np.random.default_rng([self._seed, self._shard_index, epoch])
-    if self._block_len is None:  # what the general case gives for blocks of one record
-      return self._keep(epoch, rng.permutation(self._per_epoch) + self._block_start)
-    blocks = rng.permutation(len(self._block_start))
-    lens = self._block_len[blocks]
+    if e.lens is None:  # what the general case gives for blocks of one record
+      return self._keep(era, epoch, rng.permutation(e.per_epoch) + e.starts)
+    blocks = rng.permutation(len(e.starts))
+    lens = e.lens[blocks]
     block_of_row = np.repeat(np.arange(len(blocks)), lens)
     first_row = np.repeat(np.cumsum(lens) - lens, lens)
-    rows = np.repeat(self._block_start[blocks], lens) + np.arange(len(block_of_row)) - first_row
+    rows = np.repeat(e.starts[blocks], lens) + np.arange(len(block_of_row)) - first_row
     # Rows keep their block's place; inside a block they are ordered by a random key.
-    return self._keep(epoch, rows[np.lexsort((rng.random(len(rows)), block_of_row))])
+    return self._keep(era, epoch, rows[np.lexsort((rng.random(len(rows)), block_of_row))])
 
-  def _keep(self, epoch: int, order: np.ndarray) -> np.ndarray:
+  def _keep(self, era: int, epoch: int, order: np.ndarray) -> np.ndarray:
     """Keeps an epoch's order (4 bytes a record below 2**31 records), and the one before it
     (a reader may still be in it)."""
     if order.max() < 2**31:
       order = order.astype(np.int32)
     with self._lock:
-      self._orders[epoch] = order
-      for old in [e for e in self._orders if e < epoch - 1]:
+      self._orders[(era, epoch)] = order
+      for old in [k for k in self._orders if k[1] < epoch - 1]:
         del self._orders[old]
     return order
 
-  def _source_index(self, index: int) -> tuple[int, int]:
-    """(epoch, index in the source) of element `index`."""
+  def _source_index(self, index: int) -> tuple[int, int, ConcatSource]:
+    """(epoch, index in the source, the source) of element `index`."""
     if not 0 <= index < len(self):
       raise IndexError(index)
-    epoch, position = divmod(index, self._per_epoch)
-    return epoch, int(self._order(epoch)[position])
+    era = len(self._eras) - 1
+    while self._eras[era].first_index > index:
+      era -= 1
+    e = self._eras[era]
+    epoch, position = divmod(index - e.first_index, e.per_epoch)
+    return e.first_epoch + epoch, int(self._order(era, e.first_epoch + epoch)[position]), e.source
 
   def record_id(self, index: int) -> str:
     """The id of element `index`'s record, without reading it (for error messages)."""
-    return self._source.record_id(self._source_index(index)[1])
+    _, i, source = self._source_index(index)
+    return source.record_id(i)
 
   def record_bytes(self, index: int) -> int | None:
     """Element `index`'s size in bytes if known before reading it (for read-ahead's bound)."""
-    return self._source.record_bytes(self._source_index(index)[1])
+    _, i, source = self._source_index(index)
+    return source.record_bytes(i)
 
   def __getitem__(self, index):
     if isinstance(index, slice):
       return self.slice(index)
-    epoch, source_index = self._source_index(index)
-    dataset, _ = self._source.locate(source_index)
-    record_id = self._source.record_id(source_index)
+    epoch, source_index, source = self._source_index(index)
+    dataset, _ = source.locate(source_index)
+    record_id = source.record_id(source_index)
     try:
-      fields = self._storage.call(f"record {self._source.where(source_index)}",
-                                  lambda: self._source[source_index])
+      fields = self._storage.call(f"record {source.where(source_index)}",
+                                  lambda: source[source_index])
     except (OSError, pa.ArrowException) as e:  # a file that became unreadable mid-run
       if is_transient(e):  # a read ahead, which tries once: the consumer reads again
         raise
@@ -289,6 +400,28 @@ class ShuffledRecords(grain.MapDataset):
     except Drop as e:  # the source's verdict on this one record
       return Record(index, epoch, record_id, dataset, error=e.dropped)
     return Record(index, epoch, record_id, dataset, fields)
+
+
+def _blocks_of(era: _Era) -> tuple[np.ndarray, np.ndarray]:
+  """An era's blocks as (starts, sizes) arrays."""
+  if era.lens is None:
+    return (np.arange(era.starts, era.starts + era.per_epoch, dtype=np.int64),
+            np.ones(era.per_epoch, np.int64))
+  return np.asarray(era.starts, np.int64), np.asarray(era.lens, np.int64)
+
+
+def _minus(now: Sequence[tuple[int, int]], before: Sequence[tuple[int, int]]
+           ) -> list[tuple[int, int]]:
+  """The blocks of `now` not in `before` (a set grown by appends; both in ascending
+  order), as ascending ranges."""
+  size = max([b for _, b in now] + [0])
+  kept = np.zeros(size + 2, np.int8)  # one place on each side, so every run has two edges
+  for first, last in now:
+    kept[first + 1:last + 1] = 1
+  for first, last in before:
+    kept[first + 1:last + 1] = 0
+  edges = np.flatnonzero(np.diff(kept))
+  return [(int(a), int(b)) for a, b in zip(edges[::2], edges[1::2])]
 
 
 def dataset_roots(dataset: Any) -> list[str | None]:

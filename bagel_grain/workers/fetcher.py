@@ -399,7 +399,7 @@ class Fetcher:
     self._pending.clear()
     self._done.clear()
     close_read_ahead(self._datasets)
-    if workers:
+    if workers and not any(f._workers for f in _LIVE):  # (a restore's new fetcher may run)
       readahead.set_share((0, 1))
 
   def _forget_workers(self) -> None:
