@@ -117,6 +117,11 @@ class Fetcher:
     self._inline.start()
     _LIVE.add(self)
 
+  def worker_memory(self) -> list[dict[str, Any]]:
+    """Per worker, its "pid" and what it held (`held_memory.snapshot()`) after its imports
+    ("at_hello"), once its datasets were loaded ("at_ready"), after its last element ("now")."""
+    return [{"pid": w.process.pid, **w.memory} for w in self._workers]
+
   # -- the packer's side -------------------------------------------------------
 
   def get(self, group: int, index: int) -> Any:
@@ -272,8 +277,10 @@ class Fetcher:
     if w.conn in ready:
       try:
         if w.stage != "ready":
-          return self._starting(w, w.conn.recv()[0])
-        status, key, value, spent = recv(w.conn)
+          message, *_, held = w.conn.recv()
+          w.memory["at_" + message] = held
+          return self._starting(w, message)
+        status, key, value, spent, w.memory["now"] = recv(w.conn)
       except (EOFError, OSError):
         return self._exited(w)
       storage.COUNTS.add(self._names[key[0]], spent)
@@ -417,6 +424,11 @@ class Fetcher:
 
 # Fetchers that may still own threads and processes: a forked child lets go of them.
 _LIVE: weakref.WeakSet[Fetcher] = weakref.WeakSet()
+
+
+def live() -> list[Fetcher]:
+  """This process's fetchers not closed yet (the bench reads its workers' memory there)."""
+  return list(_LIVE)
 
 
 def _after_fork_in_child() -> None:
