@@ -61,6 +61,8 @@ def test_bench_smoke_emits_every_field(demo_yaml, tmp_path, capsys):
   # With no workers the main process decodes: busy, and each row costs it CPU.
   assert run["main_cpu_s_per_row"] > 0 and run["main_cpu_share"] > 0
   assert run["host_rows_per_s_implied"] == pytest.approx(1 / run["main_cpu_s_per_row"])
+  assert run["main_decoded_samples"] > 0  # no workers: every sample
+  assert 0 < run["main_decode_cpu_s_per_row"] < run["main_cpu_s_per_row"]
   main = run["memory"]["main"]
   assert 0 < main["rss_after_imports_bytes"] and 0 < main["rss_bytes"]
   assert main["row_group_cache_bytes"] > 0  # the demo's T2I group is parquet

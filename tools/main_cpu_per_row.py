@@ -9,7 +9,16 @@ batches until `--rows` rows or `--seconds` seconds. It prints, per tree and work
 count, the median over rounds of the main process's CPU seconds per row
 (`time.process_time`: all its threads), its share of one core, and the rows/s that
 implies. CPU time, so a busy machine changes the figures less than wall time;
-rounds alternate the trees so that a change of load meets both.
+rounds alternate the trees so that a change of load meets both. On a loaded
+machine the workers (niced) fall behind and the main process decodes what they
+have not picked up: `bagel-grain bench` reports that part separately.
+
+  python tools/main_cpu_per_row.py --writes 20 --rounds 3
+
+measures the batching stage's writing alone, in this tree: `--writes` rows of the
+bench stream laid out once, then written row after row into fresh batches
+(`empty_row`, the code before batch buffers) and into the reused buffers
+(`packing.buffers`), alternating; CPU seconds per row.
 """
 
 from __future__ import annotations
@@ -47,9 +56,51 @@ def _child(data: str, workers: int, warmup: int, rows: int, seconds: float) -> N
   print(json.dumps({"code": bagel_grain.__file__, "rows": done, "cpu_s": cpu, "wall_s": wall}))
 
 
+def _writes(data: str, count: int, rounds: int) -> None:
+  # pylint: disable=import-outside-toplevel,protected-access
+  import bagel_grain
+  from bagel_grain.configs import load_shipped
+  from bagel_grain.packing.buffers import BatchBuffers
+  from bagel_grain.packing.row import batch_row, empty_row, write_row
+  from bagel_grain.pipeline import build_pipeline, capacities
+  cfg = load_shipped("bench", data)
+  it = iter(build_pipeline(cfg, bagel_grain.load_tokenizer(cfg.tokenizer_path), batch_size=1))
+  try:
+    rows = [[s.layout for s in next(it._rows)] for _ in range(count)]  # the rows it would write
+  finally:
+    it.close()
+  caps = capacities(cfg)
+
+  def fresh():
+    for layouts in rows:
+      batch = empty_row(caps, (1,))
+      write_row(batch_row(batch, 0), layouts)
+
+  def reused(pool=BatchBuffers(caps, 1)):
+    batch = None  # held while the next is written, as a training loop holds its batch
+    for layouts in rows:
+      buffer = pool.take()
+      buffer.extents[0] = write_row(batch_row(buffer.arrays, 0), layouts,
+                                    previous=buffer.extents[0])
+      batch = pool.hand_out(buffer)
+    del batch
+
+  reused()  # the pool's buffers touched once, as after a pipeline's first batches
+  seconds: dict[str, list[float]] = {"fresh batches": [], "reused buffers": []}
+  for r in range(rounds):
+    for name, write in (list(zip(seconds, (fresh, reused))))[::1 if r % 2 == 0 else -1]:
+      cpu = time.process_time()
+      write()
+      seconds[name].append((time.process_time() - cpu) / count)
+  for name, values in seconds.items():
+    print(f"{name}: {statistics.median(values) * 1e3:.1f} ms CPU per row written "
+          f"(median of {rounds} rounds of {count} rows; rounds: "
+          f"{', '.join(f'{v * 1e3:.1f}' for v in values)})")
+
+
 def main() -> int:
   p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-  p.add_argument("--tree", action="append", required=True, metavar="NAME=PATH",
+  p.add_argument("--tree", action="append", metavar="NAME=PATH",
                  help="a code tree to measure (repeat); its bagel_grain is imported")
   p.add_argument("--data", default=".bench_data")
   p.add_argument("--workers", type=int, nargs="+", default=[0, 2])
@@ -57,8 +108,15 @@ def main() -> int:
   p.add_argument("--warmup", type=int, default=3)
   p.add_argument("--rows", type=int, default=40)
   p.add_argument("--seconds", type=float, default=30.0)
+  p.add_argument("--writes", type=int, metavar="ROWS",
+                 help="measure the row writing alone, fresh against reused, on ROWS rows")
   p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
   args = p.parse_args()
+  if args.writes:
+    _writes(args.data, args.writes, args.rounds)
+    return 0
+  if not args.tree:
+    p.error("give --tree NAME=PATH (at least one) or --writes ROWS")
   if args.child:
     _child(args.data, args.workers[0], args.warmup, args.rows, args.seconds)
     return 0

@@ -109,6 +109,7 @@ def measure_pipeline(cfg: PipelineConfig, tokenizer, *, workers: int, batch_size
     results, keys_by_window = [], []
     cpu_start, wall_start, rows_start = time.process_time(), time.perf_counter(), \
         pipeline_stats(it)["rows"]
+    inline_start = _inline_work()
     fills, vit_use, vae_use, image_use = [], [], [], []
     for _ in range(windows):
       before = pipeline_stats(it)
@@ -134,6 +135,7 @@ def measure_pipeline(cfg: PipelineConfig, tokenizer, *, workers: int, batch_size
       log(f"window {len(results)}/{windows}: {results[-1]['image_tokens_per_s']:,.0f} "
           f"image tokens/s")
     cpu_s, wall_s = time.process_time() - cpu_start, time.perf_counter() - wall_start
+    inline_elements, inline_cpu_s = (b - a for a, b in zip(inline_start, _inline_work()))
     stats = pipeline_stats(it)
     rows = stats["rows"] - rows_start
     memory = memory_split(it, stats, rss_before_build)
@@ -173,6 +175,10 @@ def measure_pipeline(cfg: PipelineConfig, tokenizer, *, workers: int, batch_size
       "main_cpu_s_per_row": cpu_s / rows,
       "main_cpu_share": cpu_s / wall_s,  # of one core, over the timed windows
       "host_rows_per_s_implied": rows / cpu_s,
+      # Of that CPU, the samples the main process decoded itself (all of them with no
+      # workers; with workers, those no worker had picked up yet).
+      "main_decoded_samples": inline_elements,
+      "main_decode_cpu_s_per_row": inline_cpu_s / rows,
       "memory": memory,
       "row_fill": float(np.mean(fills)),
       "vit_slot_use": float(np.mean(vit_use)),
@@ -182,6 +188,12 @@ def measure_pipeline(cfg: PipelineConfig, tokenizer, *, workers: int, batch_size
       "drops_by_reason": stats["drops_by_reason"],
       "keys_by_window": keys_by_window,
   }
+
+
+def _inline_work() -> tuple[int, float]:
+  """Samples decoded in this process so far, and their CPU seconds (open fetchers)."""
+  fetchers = fetcher.live()
+  return sum(f.inline_elements for f in fetchers), sum(f.inline_cpu_s for f in fetchers)
 
 
 def memory_split(it, stats: dict[str, Any], rss_before_build: int) -> dict[str, Any]:
@@ -372,11 +384,14 @@ def format_table(report: dict[str, Any]) -> str:
   if ratio is not None:
     lines.append(f"parquet bytes read per byte used: {ratio:.3f} (row-group bytes decoded from "
                  "the files / record bytes the floor's samples used; above 1: decoded, unused)")
-  lines.append("workers  main CPU s/row  main busy (of 1 core)  host rows/s implied "
-               "(1 / main CPU s per row)")
+  lines.append("workers  main CPU s/row  main busy (of 1 core)  host rows/s implied  "
+               "of the CPU: decoding in main (samples)")
   for r in report["runs"]:
     lines.append(f"{r['workers']:7d}  {r['main_cpu_s_per_row']:13.4f}  "
-                 f"{r['main_cpu_share']:21.0%}  {r['host_rows_per_s_implied']:19,.1f}")
+                 f"{r['main_cpu_share']:21.0%}  {r['host_rows_per_s_implied']:19,.1f}  "
+                 f"{r['main_decode_cpu_s_per_row']:.4f} s/row ({r['main_decoded_samples']})")
+  lines.append("(host rows/s implied = 1 / main CPU s per row: where the main process alone "
+               "would be saturated; CPU of all its threads, over the timed windows)")
   for r in report["runs"]:
     shares = ", ".join(f"{k} {v:.0%}" for k, v in r["main_process_time_share"].items())
     lines.append(f"workers={r['workers']}: main process time: {shares}")

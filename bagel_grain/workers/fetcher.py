@@ -96,6 +96,8 @@ class Fetcher:
     self._inline_queue: collections.deque[tuple[int, int]] = collections.deque()
     self._inline_key: tuple[int, int] | None = None
     self._inline_since = 0.0
+    # Elements computed in this process, and the CPU seconds they took (for reports).
+    self.inline_elements, self.inline_cpu_s = 0, 0.0
     self._pump: threading.Thread | None = None
     if workers > 0:
       try:
@@ -212,6 +214,7 @@ class Fetcher:
           return
         key = self._inline_queue.popleft()
         self._inline_key, self._inline_since = key, time.monotonic()
+      cpu_s = time.thread_time()
       with storage.element_scope() as spent:
         try:
           value = self._datasets[key[0]][key[1]]
@@ -219,6 +222,8 @@ class Fetcher:
           value = _Failure(e)
       storage.COUNTS.add(self._names[key[0]], spent)
       with self._cond:
+        self.inline_elements += 1
+        self.inline_cpu_s += time.thread_time() - cpu_s
         self._inline_key = None
         self._done[key] = value
         self._cond.notify_all()
