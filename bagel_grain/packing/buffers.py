@@ -16,8 +16,8 @@ The contract (the first rule: nothing corrupted silently):
 - The arrays handed out are read-only, so that what the pool knows a buffer holds
   stays true while it is out: a batch to change is copied first
   (`{k: np.array(v) for k, v in batch.items()}`). Setting `writeable` back on an
-  array handed out, or holding a batch only through a weak reference, breaks the
-  contract.
+  array handed out, or holding a batch only through a weak reference or a raw
+  address, breaks the contract.
 - A buffer whose writing failed part-way (an error, a Ctrl-C) is dropped, not reused.
 """
 
