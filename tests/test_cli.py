@@ -63,6 +63,10 @@ def test_bench_smoke_emits_every_field(demo_yaml, tmp_path, capsys):
   assert run["host_rows_per_s_implied"] == pytest.approx(1 / run["main_cpu_s_per_row"])
   assert run["main_decoded_samples"] > 0  # no workers: every sample
   assert 0 < run["main_decode_cpu_s_per_row"] < run["main_cpu_s_per_row"]
+  by_thread = run["main_cpu_s_per_row_by_thread"]
+  assert set(by_thread) == {"main", "pump", "decode", "other"}
+  assert by_thread["decode"] > 0 and by_thread["pump"] == 0  # no workers: no pump thread
+  assert sum(by_thread.values()) <= run["main_cpu_s_per_row"] * 1.1
   main = run["memory"]["main"]
   assert 0 < main["rss_after_imports_bytes"] and 0 < main["rss_bytes"]
   assert main["row_group_cache_bytes"] > 0  # the demo's T2I group is parquet

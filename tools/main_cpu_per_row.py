@@ -7,8 +7,10 @@ Each measurement is a fresh interpreter with PYTHONPATH set to the tree: the ben
 config on `--data` (what `make bench` writes), batch size 1, `--warmup` batches, then
 batches until `--rows` rows or `--seconds` seconds. It prints, per tree and worker
 count, the median over rounds of the main process's CPU seconds per row
-(`time.process_time`: all its threads), its share of one core, and the rows/s that
-implies. CPU time, so a busy machine changes the figures less than wall time;
+(`time.process_time`: all its threads), its share of one core, the rows/s that
+implies, and the CPU per row of its threads by kind (psutil): the caller's thread
+(packing, batching), the fetcher's pump (receiving from the workers), decoding in
+the main process (what no worker had picked up), the rest. CPU time, so a busy machine changes the figures less than wall time;
 rounds alternate the trees so that a change of load meets both. On a loaded
 machine the workers (niced) fall behind and the main process decodes what they
 have not picked up: `bagel-grain bench` reports that part separately.
@@ -32,6 +34,23 @@ import sys
 import time
 
 
+def _thread_cpu() -> dict[str, float]:
+  """CPU seconds so far of this process's threads, by kind: the caller's thread, the
+  fetcher's pump (receives from workers), its inline thread (decodes what no worker
+  has picked up), and the rest (read-ahead, Grain, the interpreter's)."""
+  # pylint: disable=import-outside-toplevel
+  import threading
+  import psutil
+  kinds = {"bagel-grain-fetch": "pump", "bagel-grain-inline": "decoding in main"}
+  names = {t.native_id: t.name for t in threading.enumerate()}
+  out = dict.fromkeys(("main thread", "pump", "decoding in main", "other"), 0.0)
+  for t in psutil.Process().threads():
+    name = names.get(t.id, "")
+    kind = "main thread" if name == "MainThread" else kinds.get(name, "other")
+    out[kind] += t.user_time + t.system_time
+  return out
+
+
 def _child(data: str, workers: int, warmup: int, rows: int, seconds: float) -> None:
   # pylint: disable=import-outside-toplevel
   import bagel_grain
@@ -43,6 +62,7 @@ def _child(data: str, workers: int, warmup: int, rows: int, seconds: float) -> N
   try:
     for _ in range(warmup):
       batch = next(it)
+    threads = _thread_cpu()
     cpu, wall, start = time.process_time(), time.perf_counter(), pipeline_stats(it)["rows"]
     while True:
       batch = next(it)
@@ -50,10 +70,12 @@ def _child(data: str, workers: int, warmup: int, rows: int, seconds: float) -> N
       if done >= rows or time.perf_counter() - wall >= seconds:
         break
     cpu, wall = time.process_time() - cpu, time.perf_counter() - wall
+    threads = {k: v - threads[k] for k, v in _thread_cpu().items()}
   finally:
     it.close()
   del batch
-  print(json.dumps({"code": bagel_grain.__file__, "rows": done, "cpu_s": cpu, "wall_s": wall}))
+  print(json.dumps({"code": bagel_grain.__file__, "rows": done, "cpu_s": cpu, "wall_s": wall,
+                    "threads": threads}))
 
 
 def _writes(data: str, count: int, rounds: int) -> None:
@@ -138,12 +160,17 @@ def main() -> int:
         print(f"round {r + 1}: {name}, {workers} workers: {got['rows']} rows, "
               f"{got['cpu_s'] / got['rows']:.4f} CPU s/row, "
               f"{got['cpu_s'] / got['wall_s']:.0%} of a core ({got['code']})", file=sys.stderr)
-  print("tree     workers  main CPU s/row  busy (of 1 core)  rows/s implied  (median of "
-        f"{args.rounds} rounds)")
+  kinds = list(next(iter(results.values()))[0]["threads"])
+  print(f"medians of {args.rounds} rounds; CPU ms per row, by thread: "
+        + ", ".join(kinds))
+  print("tree     workers  main CPU s/row  busy (of 1 core)  rows/s implied  "
+        + "  ".join(f"{k:>16s}" for k in kinds))
   for (name, workers), runs in results.items():
     per_row = statistics.median(g["cpu_s"] / g["rows"] for g in runs)
     share = statistics.median(g["cpu_s"] / g["wall_s"] for g in runs)
-    print(f"{name:8s} {workers:7d}  {per_row:14.4f}  {share:16.0%}  {1 / per_row:14.1f}")
+    by_thread = [statistics.median(g["threads"][k] / g["rows"] for g in runs) for k in kinds]
+    print(f"{name:8s} {workers:7d}  {per_row:14.4f}  {share:16.0%}  {1 / per_row:14.1f}  "
+          + "  ".join(f"{v * 1e3:16.1f}" for v in by_thread))
   return 0
 
 

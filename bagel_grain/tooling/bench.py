@@ -109,7 +109,7 @@ def measure_pipeline(cfg: PipelineConfig, tokenizer, *, workers: int, batch_size
     results, keys_by_window = [], []
     cpu_start, wall_start, rows_start = time.process_time(), time.perf_counter(), \
         pipeline_stats(it)["rows"]
-    inline_start = _inline_work()
+    inline_start, threads_start = _inline_work(), _thread_cpu()
     fills, vit_use, vae_use, image_use = [], [], [], []
     for _ in range(windows):
       before = pipeline_stats(it)
@@ -136,6 +136,7 @@ def measure_pipeline(cfg: PipelineConfig, tokenizer, *, workers: int, batch_size
           f"image tokens/s")
     cpu_s, wall_s = time.process_time() - cpu_start, time.perf_counter() - wall_start
     inline_elements, inline_cpu_s = (b - a for a, b in zip(inline_start, _inline_work()))
+    threads_cpu = {k: v - threads_start.get(k, 0.0) for k, v in _thread_cpu().items()}
     stats = pipeline_stats(it)
     rows = stats["rows"] - rows_start
     memory = memory_split(it, stats, rss_before_build)
@@ -179,6 +180,7 @@ def measure_pipeline(cfg: PipelineConfig, tokenizer, *, workers: int, batch_size
       # workers; with workers, those no worker had picked up yet).
       "main_decoded_samples": inline_elements,
       "main_decode_cpu_s_per_row": inline_cpu_s / rows,
+      "main_cpu_s_per_row_by_thread": {k: v / rows for k, v in threads_cpu.items()},
       "memory": memory,
       "row_fill": float(np.mean(fills)),
       "vit_slot_use": float(np.mean(vit_use)),
@@ -188,6 +190,18 @@ def measure_pipeline(cfg: PipelineConfig, tokenizer, *, workers: int, batch_size
       "drops_by_reason": stats["drops_by_reason"],
       "keys_by_window": keys_by_window,
   }
+
+
+def _thread_cpu() -> dict[str, float]:
+  """CPU seconds so far of this process's threads by kind: the caller's (packing,
+  batching), the fetcher's pump (receiving from workers), its inline thread (decoding
+  in this process), the rest (read-ahead, Grain's, the bench's own)."""
+  kinds = {"MainThread": "main", "bagel-grain-fetch": "pump", "bagel-grain-inline": "decode"}
+  names = {t.native_id: t.name for t in threading.enumerate()}
+  out = dict.fromkeys(("main", "pump", "decode", "other"), 0.0)
+  for t in psutil.Process().threads():
+    out[kinds.get(names.get(t.id, ""), "other")] += t.user_time + t.system_time
+  return out
 
 
 def _inline_work() -> tuple[int, float]:
@@ -392,6 +406,9 @@ def format_table(report: dict[str, Any]) -> str:
                  f"{r['main_decode_cpu_s_per_row']:.4f} s/row ({r['main_decoded_samples']})")
   lines.append("(host rows/s implied = 1 / main CPU s per row: where the main process alone "
                "would be saturated; CPU of all its threads, over the timed windows)")
+  for r in report["runs"]:
+    split = ", ".join(f"{k} {v * 1e3:.1f}" for k, v in r["main_cpu_s_per_row_by_thread"].items())
+    lines.append(f"workers={r['workers']}: main CPU ms per row by thread: {split}")
   for r in report["runs"]:
     shares = ", ".join(f"{k} {v:.0%}" for k, v in r["main_process_time_share"].items())
     lines.append(f"workers={r['workers']}: main process time: {shares}")
