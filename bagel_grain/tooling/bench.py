@@ -162,6 +162,7 @@ def measure_pipeline(cfg: PipelineConfig, tokenizer, *, workers: int, batch_size
   main_peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
   for worker in memory["workers"]:
     worker["peak_rss_bytes"] = sampler.peak_children.get(worker.pop("pid"), 0)
+  per_row = lambda seconds: seconds / rows if rows else math.nan  # no row in the windows
   return {
       "workers": workers,
       "windows": results,
@@ -173,14 +174,14 @@ def measure_pipeline(cfg: PipelineConfig, tokenizer, *, workers: int, batch_size
       "buffered_at_restore": stats["buffered"],
       "peak_rss_main_mib": main_peak / 2**20,
       "peak_rss_worker_mib": max(sampler.peak_children.values(), default=0) / 2**20,
-      "main_cpu_s_per_row": cpu_s / rows,
+      "main_cpu_s_per_row": per_row(cpu_s),
       "main_cpu_share": cpu_s / wall_s,  # of one core, over the timed windows
-      "host_rows_per_s_implied": rows / cpu_s,
+      "host_rows_per_s_implied": rows / cpu_s if rows else math.nan,
       # Of that CPU, the samples the main process decoded itself (all of them with no
       # workers; with workers, those no worker had picked up yet).
       "main_decoded_samples": inline_elements,
-      "main_decode_cpu_s_per_row": inline_cpu_s / rows,
-      "main_cpu_s_per_row_by_thread": {k: v / rows for k, v in threads_cpu.items()},
+      "main_decode_cpu_s_per_row": per_row(inline_cpu_s),
+      "main_cpu_s_per_row_by_thread": {k: per_row(v) for k, v in threads_cpu.items()},
       "memory": memory,
       "row_fill": float(np.mean(fills)),
       "vit_slot_use": float(np.mean(vit_use)),
