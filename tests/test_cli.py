@@ -54,9 +54,25 @@ def test_bench_smoke_emits_every_field(demo_yaml, tmp_path, capsys):
   for field in ("packed_tokens_per_s", "image_tokens_per_s", "ratio_to_floor",
                 "first_batch_s", "restore_s", "state_bytes", "peak_rss_main_mib",
                 "peak_rss_worker_mib", "row_fill", "vit_slot_use", "vae_token_slot_use",
-                "vae_image_slot_use", "main_process_time_share", "speedup_vs_0_workers"):
+                "vae_image_slot_use", "main_process_time_share", "speedup_vs_0_workers",
+                "main_cpu_s_per_row", "main_cpu_share", "host_rows_per_s_implied", "memory"):
     assert field in run, field
   assert run["image_tokens_per_s"] > 0 and 0 < run["row_fill"] <= 1
+  # With no workers the main process decodes: busy, and each row costs it CPU.
+  assert run["main_cpu_s_per_row"] > 0 and run["main_cpu_share"] > 0
+  assert run["host_rows_per_s_implied"] == pytest.approx(1 / run["main_cpu_s_per_row"])
+  assert run["main_decoded_samples"] > 0  # no workers: every sample
+  assert 0 < run["main_decode_cpu_s_per_row"] < run["main_cpu_s_per_row"]
+  by_thread = run["main_cpu_s_per_row_by_thread"]
+  assert set(by_thread) == {"main", "pump", "decode", "other"}
+  assert by_thread["decode"] > 0 and by_thread["pump"] == 0  # no workers: no pump thread
+  assert sum(by_thread.values()) <= run["main_cpu_s_per_row"] * 1.1
+  main = run["memory"]["main"]
+  assert 0 < main["rss_after_imports_bytes"] and 0 < main["rss_bytes"]
+  assert main["row_group_cache_bytes"] > 0  # the demo's T2I group is parquet
+  assert main["batch_buffers"] >= 1 and main["batch_buffer_bytes"] > 0
+  assert main["batches_into_reused_buffers"] > 0  # the bench lets go of each batch
+  assert run["memory"]["workers"] == []
   assert report["floor"]["image_tokens_per_s"] > 0
   assert report["floor"]["parquet_bytes_read_per_byte_used"] > 0
   assert set(report["jpeg_draft"]) >= {"speedup", "mean_abs_diff", "max_abs_diff"}
@@ -66,6 +82,7 @@ def test_bench_smoke_emits_every_field(demo_yaml, tmp_path, capsys):
   assert floor_pixels.sum(axis=1).max() > 300  # one row of dashes across the plot
   captured = capsys.readouterr()
   assert "x floor" in captured.out
+  assert "main CPU s/row" in captured.out and "workers=0: main: RSS" in captured.out
   assert "parquet bytes read per byte used:" in captured.out
   # A line on stderr as each phase starts and each window ends: never minutes of silence.
   progress = [line.split("] ", 1)[1] for line in captured.err.splitlines() if "] " in line]

@@ -110,3 +110,31 @@ def test_prefetch_state_is_the_consumers_position_and_close_stops_the_thread():
   assert not any(t.name == "bagel-grain-prefetch" for t in threading.enumerate())
   with pytest.raises(ValueError):
     next(it)
+
+
+def test_a_global_batch_aliasing_host_memory_keeps_its_buffer_from_reuse():
+  """On CPU, JAX may make a global array out of the host batch's own memory (no copy):
+  a batch buffer is never written again while such an array lives, whatever the host
+  side let go of; once it is gone, the buffer is reused."""
+  from packer_samples import batched, groups_of  # pylint: disable=import-outside-toplevel
+  groups = groups_of([[300, 200, 500, 100, 50, 400, 250] * 30, [120, 700, 80, 60] * 40])
+  mesh = jax.make_mesh((8,), ("data",))
+  with iter(batched(groups, 8, expected=700)) as it:
+    host = next(it)
+    want = {name: np.array(value) for name, value in host.items() if name != "sample_keys"}
+    pointers = {host[name].ctypes.data for name in want}
+    device = global_batch.make_global_batch(host, mesh)
+    aliased = {s.data.unsafe_buffer_pointer() for a in device.arrays.values()
+               for s in a.addressable_shards} & pointers
+    del host
+    for _ in range(5):
+      next(it)  # the loop lets go of each batch: the pool's other buffers go round
+    assert it.buffer_stats()["reused"] >= 3
+    for name, value in want.items():
+      np.testing.assert_array_equal(np.asarray(device.arrays[name]), value, err_msg=name)
+    reused = it.buffer_stats()["reused"]
+    del device
+    next(it)
+    next(it)
+    assert it.buffer_stats()["reused"] == reused + 2
+  assert aliased or jax.default_backend() != "cpu"  # else the test would show nothing

@@ -17,7 +17,7 @@ from bagel_grain.packing.state import STATE_VERSION
 from bagel_grain.workers import Fetcher
 from bagel_grain.packing.row import RowBuilder, empty_row
 from packer_samples import CAPS, batched, groups_of, make_sample, packed
-from resume import assert_resumes_identically, take
+from resume import assert_resumes_identically, assert_same_elements, take
 
 
 def test_each_batch_row_is_the_row_its_samples_build_alone():
@@ -51,6 +51,107 @@ def test_the_last_batch_of_a_finite_stream_is_padded_with_empty_rows():
     assert last[name].shape == (3, *array.shape)
     np.testing.assert_array_equal(last[name][1], array, err_msg=name)
     np.testing.assert_array_equal(last[name][2], array, err_msg=name)
+
+
+# --- batch buffers: reused once released, never while held ------------------------------
+
+
+def copied(batch):
+  return {name: np.array(value) if isinstance(value, np.ndarray) else value
+          for name, value in batch.items()}
+
+
+def test_rows_written_into_reused_buffers_are_the_rows_built_alone():
+  groups = groups_of([[300, 200, 500, 100, 50, 400, 250] * 3, [120, 700, 80, 60] * 4])
+  with iter(packed(groups, expected=700)) as rows_it:
+    rows = list(rows_it)
+  size = 5
+  with iter(batched(groups, size, expected=700)) as it:
+    batches = [copied(b) for b in it]  # each batch let go of by the next: buffers reused
+    stats = it.buffer_stats()
+  # Two buffers: the loop's name holds the last batch while next() writes the other.
+  # The last next() met the stream's end.
+  assert stats["allocated"] == 2 and stats["reused"] == len(batches) - 1, stats
+  assert len(batches) == -(-len(rows) // size) and len(rows) % size  # the last one padded
+  empty = empty_row(CAPS)
+  for b, batch in enumerate(batches):
+    for r in range(size):
+      builder, i = RowBuilder(CAPS), size * b + r
+      for s in rows[i] if i < len(rows) else ():
+        builder.add(s.layout)
+      alone = builder.build() if i < len(rows) else empty
+      for name, array in alone.items():
+        assert batch[name][r].tobytes() == array.tobytes(), (b, r, name)
+
+
+# What a caller may keep of a batch: the dict, one of its arrays, a view, a buffer export.
+HOLDERS = {
+    "the batch": lambda b: b,
+    "an array": lambda b: b["text_ids"],
+    "a view of a row": lambda b: b["vae_images"][1, :8],
+    "a view of a view": lambda b: b["vit_patches"][0][3:][::2],
+    "a memoryview": lambda b: memoryview(b["timesteps"]),
+    "the counts": lambda b: b["num_tokens"].reshape(2, 1),
+}
+
+
+@pytest.mark.parametrize("holder", HOLDERS.values(), ids=HOLDERS.keys())
+def test_a_held_batch_is_never_written_again(holder):
+  groups = groups_of([[300, 200, 500, 100, 50, 400, 250] * 6, [120, 700, 80, 60] * 8])
+  with iter(batched(groups, 2, expected=700)) as it:
+    for _ in range(2):  # a buffer or two already in the pool, and released
+      next(it)
+    batch = next(it)
+    held, want = holder(batch), holder(copied(batch))
+    del batch
+    for _ in range(5):
+      next(it)
+    assert it.buffer_stats()["reused"] >= 3  # the other buffers went round meanwhile
+  if isinstance(held, dict):
+    assert_same_elements([held], [want])
+  else:
+    np.testing.assert_array_equal(np.asarray(held), np.asarray(want))
+
+
+def test_a_batch_interrupted_after_its_rows_were_written_leaves_nothing_behind():
+  """Its buffer holds a row no extent records: reused, a later batch of other rows (here
+  after a rewind) would keep the bytes past their end."""
+  groups = groups_of([[60, 80, 100, 120, 900] * 6, [50, 60] * 8])
+  with iter(batched(groups, 1, expected=700)) as it:
+    want = [copied(next(it)) for _ in range(12)]
+  tokens = [int(b["num_tokens"][0]) for b in want]
+  # A row longer than every row before it and than the row written after the rewind.
+  at = next(k for k in range(2, 12) if tokens[k] > max(tokens[:k]))
+  writes, write_row = itertools.count(), batch.write_row
+
+  def write(*args, **kwargs):
+    extent = write_row(*args, **kwargs)
+    if next(writes) == at:  # written, then a Ctrl-C
+      raise KeyboardInterrupt
+    return extent
+
+  with pytest.MonkeyPatch.context() as patch, iter(batched(groups, 1, expected=700)) as it:
+    patch.setattr(batch, "write_row", write)
+    got = [copied(next(it))]
+    after_first = it.get_state()
+    got += [copied(next(it)) for _ in range(at - 1)]
+    with pytest.raises(KeyboardInterrupt):
+      next(it)
+    it.set_state(after_first)  # back: the rows written next are shorter ones
+    del got[1:]
+    got += [copied(next(it)) for _ in range(11)]
+  assert_same_elements(got, want)
+
+
+def test_batches_are_read_only():
+  with iter(batched(groups_of([[100] * 20]), 2)) as it:
+    batch = next(it)
+  for name in ("text_ids", "vae_images", "num_tokens"):
+    with pytest.raises(ValueError, match="read-only"):
+      batch[name][...] = 1
+  changed = copied(batch)  # the documented way: copy, then change
+  changed["text_ids"][0, 0] = 5
+  assert changed["text_ids"][0, 0] == 5
 
 
 def test_state_is_sealed_with_version_and_fingerprint():
@@ -145,13 +246,16 @@ def batch_keys(batches):
 def test_a_next_interrupted_anywhere_loses_and_repeats_nothing(fetch_at, write_at):
   groups = transaction_groups()
   with iter(batched(groups, 2, expected=700, mandatory=[False, True])) as it:
-    want = batch_keys(take(it, 12))
+    want = take(it, 12)
   writes, write_row = itertools.count(1), batch.write_row
 
-  def write(*args):
-    if next(writes) in write_at:
+  def write(*args, **kwargs):
+    n = next(writes)
+    if n in write_at:
+      if n % 2:  # a Ctrl-C once the row's bytes are written: that buffer must not be reused
+        write_row(*args, **kwargs)
       raise KeyboardInterrupt
-    return write_row(*args)
+    return write_row(*args, **kwargs)
 
   got = []
   with pytest.MonkeyPatch.context() as patch, iter(batched(
@@ -161,13 +265,13 @@ def test_a_next_interrupted_anywhere_loses_and_repeats_nothing(fetch_at, write_a
     while len(got) < len(want):
       before = it.get_state()
       try:
-        got.append(next(it))
+        got.append(copied(next(it)))  # let go of: buffers are reused, interrupted ones not
       except KeyboardInterrupt:
         assert it.get_state() == before  # nothing of the interrupted next() stayed
       except StopIteration:
         break
       assert balanced(it.stats())
-  assert batch_keys(got) == want
+  assert_same_elements(got, want)
 
 
 def test_get_state_and_stats_from_another_thread_are_consistent():

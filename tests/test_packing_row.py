@@ -11,7 +11,8 @@ from bagel_grain.packing.attention import row_mask
 from bagel_grain.packing.bagel_dict import to_bagel_dict
 from bagel_grain.packed_row import ROW_FIELDS, TokenType
 from bagel_grain.packing.layout import Geometry, SpecialTokens, layout_sample
-from bagel_grain.packing.row import Capacities, RowBuilder, Usage, default_capacities, empty_row
+from bagel_grain.packing.row import (EMPTY, Capacities, RowBuilder, Usage, default_capacities,
+                                    empty_row, write_row)
 from bagel_grain.sample import PlanItem
 
 P, D = 2, 4
@@ -179,6 +180,32 @@ def test_row_builder_invariants(raw, caps, interpolate):
   builder.reset()
   assert builder.used_tokens == 0 and builder.num_samples == 0
   assert int(builder.build()["num_tokens"]) == 0
+
+
+ROOMY = Capacities(tokens=384, vit_patches=256, vae_tokens=256, vae_images=12,
+                   vae_image_size=16, splits=128, vit_patch_size=P)
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.lists(samples(), max_size=6), min_size=2, max_size=5), st.booleans())
+def test_a_row_written_over_earlier_rows_is_the_row_written_fresh(rows, interpolate):
+  """One buffer takes row after row (told what the last one wrote); each must equal the
+  same samples written into a fresh empty row, down to the bits of every field."""
+  geo = Geometry(vit_patch_size=P, vae_downsample=D, max_num_patch_per_side=8,
+                 max_latent_size=8, interpolate_pos=interpolate)
+  buffer, previous = empty_row(ROOMY), EMPTY
+  for raw in rows:
+    builder, added = RowBuilder(ROOMY), []
+    for plan, texts, images, drops, steps in raw:
+      layout = layout_sample(plan, texts, images, cfg_drops=drops, timesteps=steps,
+                             geometry=geo, special=TOK)
+      if builder.fits(layout):
+        builder.add(layout)
+        added.append(layout)
+    fresh = builder.build()
+    previous = write_row(buffer, added, previous=previous)
+    for name in ROW_FIELDS:
+      assert buffer[name].tobytes() == fresh[name].tobytes(), name
 
 
 def test_default_capacities():

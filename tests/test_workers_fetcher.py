@@ -26,6 +26,7 @@ import numpy as np
 import psutil
 import pytest
 
+from bagel_grain import held_memory
 from bagel_grain.families.files import DiskFiles
 from bagel_grain.workers import WORKER_NICENESS, Fetcher, WorkerError
 from bagel_grain.pipeline import build_pipeline
@@ -375,3 +376,37 @@ def test_a_worker_killed_while_starting_is_named_killed_not_unguarded():
   message = str(e.value)
   assert f"worker process {worker.pid} was killed by SIGKILL (exit code -9)" in message
   assert "__main__" not in message
+
+
+class HoldsBytes(Squares):
+  """Squares whose copy in a worker registers a holder of 12,345 bytes once an element of
+  it is computed (0 before): what the worker reports back."""
+
+  def __setstate__(self, state):
+    self.__dict__.update(state, computed=False)
+    held_memory.register(self, held_memory.ROW_GROUP_CACHE,
+                         lambda holder: 12_345 if holder.computed else 0)
+
+  def __getitem__(self, index):
+    time.sleep(0.02)  # slow enough for the worker to take some from the main process
+    self.computed = True
+    return super().__getitem__(index)
+
+
+def test_workers_report_their_memory_after_imports_loading_and_each_element():
+  with deadline(120):
+    fetcher = Fetcher([HoldsBytes(10_000)], workers=1, depths=[4])
+    try:
+      index = 0
+      while "now" not in fetcher.worker_memory()[0]:
+        fetcher.get(0, index)
+        index += 1
+      (memory,) = fetcher.worker_memory()
+    finally:
+      fetcher.close()
+  assert memory["pid"] > 0
+  assert 0 < memory["at_hello"]["rss_bytes"] <= memory["at_ready"]["rss_bytes"] * 1.1
+  assert memory["at_hello"][held_memory.ROW_GROUP_CACHE] == 0  # no datasets yet
+  assert memory["at_ready"][held_memory.ROW_GROUP_CACHE] == 0  # loaded, nothing computed
+  assert memory["now"][held_memory.ROW_GROUP_CACHE] == 12_345
+  assert memory["now"][held_memory.READ_AHEAD] == 0

@@ -1,7 +1,9 @@
 """Batching: each packed row written straight into its slot of a static-shape batch.
 
 Rows are written in place (pixels are copied once, from the sample into the
-batch). Each batch carries `sample_keys` per row; a finite stream's last batch is
+batch), into batch buffers reused once the caller has let go of them
+(`packing.buffers`: the arrays handed out are read-only, and a batch still held,
+or a view of it, is never written again). Each batch carries `sample_keys` per row; a finite stream's last batch is
 padded with empty rows. This is the pipeline's outer stage: its state is that of
 the rows it batches (a packing stage, or the interleaving of a process's logical
 shards), sealed with a version and the stream's fingerprint.
@@ -26,7 +28,8 @@ from bagel_grain.packing import eras as era_keys
 from bagel_grain.packing import state as envelope
 from bagel_grain.packing.pack import PackDataset, PackIterator, PackPosition
 from bagel_grain.packing.prepare import PreparedSample
-from bagel_grain.packing.row import Capacities, batch_row, empty_row, write_row
+from bagel_grain.packing.buffers import BatchBuffers
+from bagel_grain.packing.row import Capacities, batch_row, write_row
 from bagel_grain.packing.shards import (InterleavePosition, ShardInterleaveDataset,
                                         ShardInterleaveIterator)
 from bagel_grain.packing.stage import StageIterator, interrupts_held
@@ -100,6 +103,7 @@ class BatchIterator(StageIterator):
     self._position_lock = threading.Lock()  # guards `_in_flight` and each change of position
     # The position a next() in progress started at.
     self._in_flight: PackPosition | InterleavePosition | None = None
+    self._buffers = BatchBuffers(capacities, batch_size)
 
   def __next__(self) -> PackedBatch:
     self._assert_not_closed()
@@ -126,18 +130,28 @@ class BatchIterator(StageIterator):
       return self._rows.position() if self._in_flight is None else self._in_flight
 
   def _next_batch(self) -> PackedBatch:
-    batch = empty_row(self._capacities, (self._batch_size,))
+    buffer = self._buffers.take()  # dropped, not reused, if this raises before hand_out
     keys = []
     for b in range(self._batch_size):
       members = self._waiting(next, self._rows, None)
       if members is None:
         if b == 0:
           raise StopIteration
-        break  # a finite stream's last batch: the remaining rows stay empty
-      write_row(batch_row(batch, b), [s.layout for s in members])
+        break  # a finite stream's last batch: the remaining rows are empty
+      buffer.extents[b] = write_row(batch_row(buffer.arrays, b), [s.layout for s in members],
+                                    previous=buffer.extents[b])
       keys.append(self._keys(members))
+    for b in range(len(keys), self._batch_size):
+      buffer.extents[b] = write_row(batch_row(buffer.arrays, b), [],
+                                    previous=buffer.extents[b])
+    batch = self._buffers.hand_out(buffer)
     batch["sample_keys"] = keys + [()] * (self._batch_size - len(keys))
     return batch
+
+  def buffer_stats(self) -> dict[str, int]:
+    """The batch buffers: pooled (and their bytes), held by the caller, reused, allocated."""
+    with self._step:
+      return self._buffers.stats()
 
   def _keys(self, members: Sequence[PreparedSample]) -> SampleKeys:
     names = self._rows.group_names

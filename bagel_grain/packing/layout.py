@@ -80,6 +80,12 @@ class SampleLayout:
     return (max(im.shape[0] for im in self.vae_images),
             max(im.shape[1] for im in self.vae_images))
 
+  @property
+  def nbytes(self) -> int:
+    """Bytes of its arrays (pixels included): what the sample holds while it waits."""
+    return sum(a.nbytes for a in (*(getattr(self, f.name) for f in dataclasses.fields(self)
+                                     if f.name != "vae_images"), *self.vae_images))
+
 
 def draw_sample_choices(plan: Sequence[PlanItem], rng: np.random.Generator, *,
                         text_p: float, vit_p: float, vae_p: float

@@ -232,11 +232,13 @@ class PackIterator(PositionedStageIterator):
 
   def stats(self, position: PackPosition | None = None) -> dict[str, Any]:
     """Counters for reports (at `position`, default now); they add up: drawn = packed +
-    dropped + buffered + carried."""
+    dropped + buffered + carried. `waiting_bytes`: the arrays the buffered and carried
+    samples hold (pixels included)."""
     position = self.position() if position is None else position
     report = stats.report(self.state_of(position)["stats"])
     report["buffered"] = len(position.buffer)
     report["carried"] = len(position.carried)
+    report["waiting_bytes"] = sum(s.layout.nbytes for s in (*position.buffer, *position.carried))
     report["epoch"] = self._mix.epochs(position.mix)
     return report
 

@@ -1,4 +1,10 @@
-"""Fixed-capacity packed rows: capacities, usage accounting, and writing layouts into a row."""
+"""Fixed-capacity packed rows: capacities, usage accounting, and writing layouts into a row.
+
+A row is written either into an empty row (`empty_row`) or into one that held an
+earlier row (a reused batch buffer, `packing.buffers`): `write_row` is told what
+the earlier row wrote (its `Extent`) and resets to the fill value only what the
+new samples do not overwrite, so both give the same bits.
+"""
 
 from __future__ import annotations
 
@@ -132,14 +138,42 @@ _CONCATENATED = tuple(name for name in ROW_SPEC if name not in _OWN_WRITERS
                       and name in SampleLayout.__dataclass_fields__)
 
 
-def write_row(row: PackedRow, layouts: Sequence[SampleLayout]) -> PackedRow:
-  """Writes the samples' layouts, in order, into an empty `row` (or a view of a batch row).
+@dataclasses.dataclass(frozen=True)
+class Extent:
+  """What writing a row's samples touches: the used prefix of each slot dimension (L, K,
+  V, T) and the height and width of each VAE image, slot by slot.
 
-  Each concatenated field is one concatenation and one slice assignment.
+  Every field is written over the used prefix of its first dimension; a VAE image
+  slot over the image's top-left corner; the rest of the row keeps its fill value.
   """
-  used = {"L": sum(x.num_tokens for x in layouts), "K": sum(x.num_splits for x in layouts),
-          "V": sum(x.num_vit_tokens for x in layouts),
-          "T": sum(x.num_vae_tokens for x in layouts)}
+
+  used: tuple[tuple[str, int], ...] = (("L", 0), ("K", 0), ("V", 0), ("T", 0))
+  vae_hw: tuple[tuple[int, int], ...] = ()
+
+  @classmethod
+  def of(cls, layouts: Sequence[SampleLayout]) -> Extent:
+    return cls((("L", sum(x.num_tokens for x in layouts)),
+                ("K", sum(x.num_splits for x in layouts)),
+                ("V", sum(x.num_vit_tokens for x in layouts)),
+                ("T", sum(x.num_vae_tokens for x in layouts))),
+               tuple(im.shape[:2] for x in layouts for im in x.vae_images))
+
+
+EMPTY = Extent()  # an empty row's: nothing written
+
+
+def write_row(row: PackedRow, layouts: Sequence[SampleLayout], *,
+              previous: Extent = EMPTY) -> Extent:
+  """Writes the samples' layouts, in order, into `row` (or a view of a batch row) that holds
+  an empty row, or a row that wrote `previous`.
+
+  Each concatenated field is one concatenation and one slice assignment. The result
+  is the same, bit for bit, whatever `previous` wrote. Returns what it wrote: the
+  `previous` of the next row written there.
+  """
+  extent = Extent.of(layouts)
+  _clear(row, previous, extent)
+  used = dict(extent.used)
   shifts = _shifts(layouts)
   for name in _CONCATENATED:
     parts = [getattr(x, name) for x in layouts]
@@ -155,7 +189,28 @@ def write_row(row: PackedRow, layouts: Sequence[SampleLayout]) -> PackedRow:
   row["num_vit_tokens"][...] = used["V"]
   row["num_vae_tokens"][...] = used["T"]
   row["num_samples"][...] = len(layouts)
-  return row
+  return extent
+
+
+def _clear(row: PackedRow, previous: Extent, extent: Extent) -> None:
+  """Resets to its fill value what `previous` wrote and `extent` will not overwrite."""
+  if previous == EMPTY:
+    return
+  before, after = dict(previous.used), dict(extent.used)
+  before["I"], after["I"] = len(previous.vae_hw), len(extent.vae_hw)
+  for name, field in ROW_SPEC.items():
+    if not field.symbols or name == "vae_images":
+      continue  # the counts are always written; the images below, slot by slot
+    old, new = before[field.symbols[0]], after[field.symbols[0]]
+    if old > new:
+      row[name][new:old] = field.fill_for({"L": row["text_ids"].shape[0]})
+  images = row["vae_images"]
+  for slot, (old_h, old_w) in enumerate(previous.vae_hw):
+    new_h, new_w = extent.vae_hw[slot] if slot < len(extent.vae_hw) else (0, 0)
+    if old_h > new_h:  # the old rows below the new image
+      images[slot, new_h:old_h, :old_w] = 0
+    if old_w > new_w:  # the old columns right of the new image, above its bottom
+      images[slot, :min(old_h, new_h), new_w:old_w] = 0
 
 
 def _shifts(layouts: Sequence[SampleLayout]) -> dict[str, np.ndarray]:
@@ -227,8 +282,9 @@ class RowBuilder:
   def build(self, out: PackedRow | None = None, b: int = 0) -> PackedRow:
     """The row's arrays; with `out` (an empty batch from `empty_row(caps, (B,))`) written
     in place as row `b`: pixels are copied once, straight into the batch."""
-    return write_row(empty_row(self.capacities) if out is None else batch_row(out, b),
-                     self._layouts)
+    row = empty_row(self.capacities) if out is None else batch_row(out, b)
+    write_row(row, self._layouts)
+    return row
 
 
 def batch_row(batch: PackedRow, b: int) -> PackedRow:

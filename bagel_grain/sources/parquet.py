@@ -17,7 +17,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from bagel_grain import fs
+from bagel_grain import fs, held_memory
 from bagel_grain.drops import Drop, DropReason
 from bagel_grain.errors import DatasetError
 from bagel_grain.sources.base import PartOffsets
@@ -43,6 +43,7 @@ class _RowGroupCache:
     self.held_bytes = 0
     self._groups: collections.OrderedDict[tuple[str, int], pa.Table] = collections.OrderedDict()
     self._lock = threading.Lock()
+    held_memory.register(self, held_memory.ROW_GROUP_CACHE, lambda cache: cache.held_bytes)
 
   def __getstate__(self):
     return {"max_bytes": self.max_bytes, "readers": self.readers}

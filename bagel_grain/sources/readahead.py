@@ -33,6 +33,7 @@ from typing import Any, Callable, Hashable, Iterable
 
 import grain
 
+from bagel_grain import held_memory
 from bagel_grain.storage import RetryPolicy, single_attempts
 
 THREADS = 8  # requests in flight per group and process, at least
@@ -97,6 +98,7 @@ class ReadAhead:
     self._take_gap_s: float | None = None  # mean time between two takes
     self._last_take: float | None = None
     self._lock = threading.Lock()
+    held_memory.register(self, held_memory.READ_AHEAD, ReadAhead.held_bytes)
 
   def __getstate__(self):  # no threads, no reads
     return {"_threads": self._threads, "_max_bytes": self._max_bytes, "storage": self.storage,

@@ -7,6 +7,12 @@ in the same run on the same records: the samples of the single-threaded run's
 windows are re-made by their family transforms alone (records read beforehand,
 a no-op tokenizer, no layout, no packing), single-threaded. Every throughput
 figure is reported beside its ratio to that floor.
+
+The main process's cost per row is its CPU seconds (all its threads, the bench's
+own bookkeeping included) over the rows of the timed windows; the host throughput
+it implies, 1 / that, is the rows/s at which the main process alone would be
+saturated. The memory split is read at the end of the timed windows, per process
+(`memory_split`).
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ import grain
 import numpy as np
 import psutil
 
+from bagel_grain import held_memory
 from bagel_grain.config import PipelineConfig
 from bagel_grain.pipeline import (build_pipeline, family_transform, group_seed, group_source,
                                   pipeline_stats)
@@ -32,6 +39,7 @@ from bagel_grain.packing.stage import with_stage_timing
 from bagel_grain.sample import Sample
 from bagel_grain.sources.parquet import ParquetRowSource
 from bagel_grain.sources.records import ShuffledRecords
+from bagel_grain.workers import fetcher
 
 
 JPEG_DRAFT_SAMPLES = 300
@@ -84,8 +92,10 @@ def _silent(line: str) -> None:
 def measure_pipeline(cfg: PipelineConfig, tokenizer, *, workers: int, batch_size: int,
                      seconds: float, windows: int, warmup_batches: int = 2,
                      log: Callable[[str], None] = _silent) -> dict[str, Any]:
-  """One worker count: throughput per window, latencies, state, memory, slot use."""
+  """One worker count: throughput per window, main-process CPU per row, latencies, state,
+  memory, slot use."""
   sampler = _RssSampler()
+  rss_before_build = held_memory.snapshot()["rss_bytes"]
   start = time.perf_counter()
   it = iter(with_stage_timing(build_pipeline(cfg, tokenizer, batch_size=batch_size,
                                              workers=workers)))
@@ -97,6 +107,9 @@ def measure_pipeline(cfg: PipelineConfig, tokenizer, *, workers: int, batch_size
       next(it)
     per_window = seconds / windows
     results, keys_by_window = [], []
+    cpu_start, wall_start, rows_start = time.process_time(), time.perf_counter(), \
+        pipeline_stats(it)["rows"]
+    inline_start, threads_start = _inline_work(), _thread_cpu()
     fills, vit_use, vae_use, image_use = [], [], [], []
     for _ in range(windows):
       before = pipeline_stats(it)
@@ -121,11 +134,16 @@ def measure_pipeline(cfg: PipelineConfig, tokenizer, *, workers: int, batch_size
       keys_by_window.append(keys)
       log(f"window {len(results)}/{windows}: {results[-1]['image_tokens_per_s']:,.0f} "
           f"image tokens/s")
-    state = it.get_state()
+    cpu_s, wall_s = time.process_time() - cpu_start, time.perf_counter() - wall_start
+    inline_elements, inline_cpu_s = (b - a for a, b in zip(inline_start, _inline_work()))
+    threads_cpu = {k: v - threads_start.get(k, 0.0) for k, v in _thread_cpu().items()}
     stats = pipeline_stats(it)
+    rows = stats["rows"] - rows_start
+    memory = memory_split(it, stats, rss_before_build)
+    state = it.get_state()
     # Each stage's own time (Grain's stats) in the run's wall time; the rest is waiting.
-    wall_s = time.perf_counter() - start
-    shares = {name.removesuffix("Iterator").lower(): s / wall_s
+    run_s = time.perf_counter() - start
+    shares = {name.removesuffix("Iterator").lower(): s / run_s
               for name, s in it.stage_seconds().items()}
     shares["waiting_for_samples"] = 1.0 - sum(shares.values())
   finally:
@@ -142,6 +160,9 @@ def measure_pipeline(cfg: PipelineConfig, tokenizer, *, workers: int, batch_size
   log(f"restored from the mid-run state in {restore_s:.2f} s")
   sampler.stop()
   main_peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+  for worker in memory["workers"]:
+    worker["peak_rss_bytes"] = sampler.peak_children.get(worker.pop("pid"), 0)
+  per_row = lambda seconds: seconds / rows if rows else math.nan  # no row in the windows
   return {
       "workers": workers,
       "windows": results,
@@ -153,6 +174,15 @@ def measure_pipeline(cfg: PipelineConfig, tokenizer, *, workers: int, batch_size
       "buffered_at_restore": stats["buffered"],
       "peak_rss_main_mib": main_peak / 2**20,
       "peak_rss_worker_mib": max(sampler.peak_children.values(), default=0) / 2**20,
+      "main_cpu_s_per_row": per_row(cpu_s),
+      "main_cpu_share": cpu_s / wall_s,  # of one core, over the timed windows
+      "host_rows_per_s_implied": rows / cpu_s if rows else math.nan,
+      # Of that CPU, the samples the main process decoded itself (all of them with no
+      # workers; with workers, those no worker had picked up yet).
+      "main_decoded_samples": inline_elements,
+      "main_decode_cpu_s_per_row": per_row(inline_cpu_s),
+      "main_cpu_s_per_row_by_thread": {k: per_row(v) for k, v in threads_cpu.items()},
+      "memory": memory,
       "row_fill": float(np.mean(fills)),
       "vit_slot_use": float(np.mean(vit_use)),
       "vae_token_slot_use": float(np.mean(vae_use)),
@@ -161,6 +191,59 @@ def measure_pipeline(cfg: PipelineConfig, tokenizer, *, workers: int, batch_size
       "drops_by_reason": stats["drops_by_reason"],
       "keys_by_window": keys_by_window,
   }
+
+
+def _thread_cpu() -> dict[str, float]:
+  """CPU seconds so far of this process's threads by kind: the caller's (packing,
+  batching), the fetcher's pump (receiving from workers), its inline thread (decoding
+  in this process), the rest (read-ahead, Grain's, the bench's own)."""
+  kinds = {"MainThread": "main", "bagel-grain-fetch": "pump", "bagel-grain-inline": "decode"}
+  names = {t.native_id: t.name for t in threading.enumerate()}
+  out = dict.fromkeys(("main", "pump", "decode", "other"), 0.0)
+  for t in psutil.Process().threads():
+    out[kinds.get(names.get(t.id, ""), "other")] += t.user_time + t.system_time
+  return out
+
+
+def _inline_work() -> tuple[int, float]:
+  """Samples decoded in this process so far, and their CPU seconds (open fetchers)."""
+  fetchers = fetcher.live()
+  return sum(f.inline_elements for f in fetchers), sum(f.inline_cpu_s for f in fetchers)
+
+
+def memory_split(it, stats: dict[str, Any], rss_before_build: int) -> dict[str, Any]:
+  """What each process holds now, by kind, in bytes.
+
+  main: `rss_before_build` (RSS after the imports, before building this run's
+  pipeline: with earlier runs in the same process, what they left too), RSS now,
+  read-ahead held (records and files read, not yet taken, or in flight), decoded
+  parquet row groups cached, the packer's waiting samples (buffered and carried:
+  count and bytes of their arrays) and the batch buffers (pooled: written, or held
+  by the caller). Each worker: RSS after its imports (before its datasets), after
+  loading its datasets, and now, with its read-ahead and row-group cache, as of the
+  last element it sent.
+  """
+  main = held_memory.snapshot()
+  buffers = it.buffer_stats()
+  out = {"main": {"rss_after_imports_bytes": rss_before_build, "rss_bytes": main["rss_bytes"],
+                  **{kind: main[kind] for kind in held_memory.KINDS},
+                  "packer_waiting_samples": stats["buffered"] + stats["carried"],
+                  "packer_waiting_bytes": stats["waiting_bytes"],
+                  "batch_buffers": buffers["pooled"], "batch_buffers_held": buffers["held"],
+                  "batch_buffer_bytes": buffers["pooled_bytes"],
+                  "batches_into_reused_buffers": buffers["reused"],
+                  "batches_into_fresh_buffers": buffers["allocated"]},
+         "workers": []}
+  for f in fetcher.live():
+    for held in f.worker_memory():
+      now = held.get("now", {})
+      out["workers"].append({
+          "pid": held["pid"],
+          "rss_after_imports_bytes": held.get("at_hello", {}).get("rss_bytes", 0),
+          "rss_datasets_loaded_bytes": held.get("at_ready", {}).get("rss_bytes", 0),
+          "rss_bytes": now.get("rss_bytes", 0),
+          **{kind: now.get(kind, 0) for kind in held_memory.KINDS}})
+  return out
 
 
 def _family_samples(cfg: PipelineConfig, seed: int):
@@ -316,10 +399,45 @@ def format_table(report: dict[str, Any]) -> str:
   if ratio is not None:
     lines.append(f"parquet bytes read per byte used: {ratio:.3f} (row-group bytes decoded from "
                  "the files / record bytes the floor's samples used; above 1: decoded, unused)")
+  lines.append("workers  main CPU s/row  main busy (of 1 core)  host rows/s implied  "
+               "of the CPU: decoding in main (samples)")
+  for r in report["runs"]:
+    lines.append(f"{r['workers']:7d}  {r['main_cpu_s_per_row']:13.4f}  "
+                 f"{r['main_cpu_share']:21.0%}  {r['host_rows_per_s_implied']:19,.1f}  "
+                 f"{r['main_decode_cpu_s_per_row']:.4f} s/row ({r['main_decoded_samples']})")
+  lines.append("(host rows/s implied = 1 / main CPU s per row: where the main process alone "
+               "would be saturated; CPU of all its threads, over the timed windows)")
+  for r in report["runs"]:
+    split = ", ".join(f"{k} {v * 1e3:.1f}" for k, v in r["main_cpu_s_per_row_by_thread"].items())
+    lines.append(f"workers={r['workers']}: main CPU ms per row by thread: {split}")
   for r in report["runs"]:
     shares = ", ".join(f"{k} {v:.0%}" for k, v in r["main_process_time_share"].items())
     lines.append(f"workers={r['workers']}: main process time: {shares}")
+  lines.append("memory by process, MiB (at the end of the timed windows): RSS after imports / "
+               "now / peak; read-ahead held; parquet row groups cached; packer's waiting "
+               "samples; batch buffers (pooled, held by the caller)")
+  for r in report["runs"]:
+    lines.extend(_memory_lines(r))
   return "\n".join(lines)
+
+
+def _memory_lines(run: dict[str, Any]) -> list[str]:
+  m, mib = run["memory"], lambda n: f"{n / 2**20:,.0f}"
+  main = m["main"]
+  lines = [f"workers={run['workers']}: main: RSS {mib(main['rss_after_imports_bytes'])} / "
+           f"{mib(main['rss_bytes'])} / {run['peak_rss_main_mib']:,.0f}; read-ahead "
+           f"{mib(main['read_ahead_bytes'])}; row groups {mib(main['row_group_cache_bytes'])}; "
+           f"packer {main['packer_waiting_samples']} samples, "
+           f"{mib(main['packer_waiting_bytes'])}; batch buffers {main['batch_buffers']} "
+           f"({main['batch_buffers_held']} held), {mib(main['batch_buffer_bytes'])} "
+           f"({main['batches_into_reused_buffers']} batches into reused buffers, "
+           f"{main['batches_into_fresh_buffers']} into fresh)"]
+  for i, w in enumerate(m["workers"]):
+    lines.append(f"workers={run['workers']}: worker {i}: RSS {mib(w['rss_after_imports_bytes'])}"
+                 f" / {mib(w['rss_bytes'])} / {mib(w['peak_rss_bytes'])} (datasets loaded: "
+                 f"{mib(w['rss_datasets_loaded_bytes'])}); read-ahead "
+                 f"{mib(w['read_ahead_bytes'])}; row groups {mib(w['row_group_cache_bytes'])}")
+  return lines
 
 
 def _tick_step(top: float, ticks: int = 5) -> float:

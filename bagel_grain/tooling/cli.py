@@ -332,7 +332,8 @@ def build_parser() -> argparse.ArgumentParser:
   p.add_argument("--edit-rows", type=_at_least(1), default=200, help="image-edit rows")
   p.add_argument("--vlm-rows", type=_at_least(1), default=400, help="VLM SFT rows")
 
-  p = command("bench", _bench, "throughput, latency, state and memory against the floor")
+  p = command("bench", _bench, "throughput against the floor, latency, state, the main "
+              "process's CPU per row and the memory split per process")
   _add_config_options(p, "bench")
   p.add_argument("--workers", type=_at_least(0), nargs="+", default=[0, 1, 2],
                  help="worker counts to measure, one run each")

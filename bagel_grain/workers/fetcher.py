@@ -96,6 +96,8 @@ class Fetcher:
     self._inline_queue: collections.deque[tuple[int, int]] = collections.deque()
     self._inline_key: tuple[int, int] | None = None
     self._inline_since = 0.0
+    # Elements computed in this process, and the CPU seconds they took (for reports).
+    self.inline_elements, self.inline_cpu_s = 0, 0.0
     self._pump: threading.Thread | None = None
     if workers > 0:
       try:
@@ -116,6 +118,11 @@ class Fetcher:
                                     daemon=True)
     self._inline.start()
     _LIVE.add(self)
+
+  def worker_memory(self) -> list[dict[str, Any]]:
+    """Per worker, its "pid" and what it held (`held_memory.snapshot()`) after its imports
+    ("at_hello"), once its datasets were loaded ("at_ready"), after its last element ("now")."""
+    return [{"pid": w.process.pid, **w.memory} for w in self._workers]
 
   # -- the packer's side -------------------------------------------------------
 
@@ -207,6 +214,7 @@ class Fetcher:
           return
         key = self._inline_queue.popleft()
         self._inline_key, self._inline_since = key, time.monotonic()
+      cpu_s = time.thread_time()
       with storage.element_scope() as spent:
         try:
           value = self._datasets[key[0]][key[1]]
@@ -214,6 +222,8 @@ class Fetcher:
           value = _Failure(e)
       storage.COUNTS.add(self._names[key[0]], spent)
       with self._cond:
+        self.inline_elements += 1
+        self.inline_cpu_s += time.thread_time() - cpu_s
         self._inline_key = None
         self._done[key] = value
         self._cond.notify_all()
@@ -272,8 +282,10 @@ class Fetcher:
     if w.conn in ready:
       try:
         if w.stage != "ready":
-          return self._starting(w, w.conn.recv()[0])
-        status, key, value, spent = recv(w.conn)
+          message, *_, held = w.conn.recv()
+          w.memory["at_" + message] = held
+          return self._starting(w, message)
+        status, key, value, spent, w.memory["now"] = recv(w.conn)
       except (EOFError, OSError):
         return self._exited(w)
       storage.COUNTS.add(self._names[key[0]], spent)
@@ -417,6 +429,11 @@ class Fetcher:
 
 # Fetchers that may still own threads and processes: a forked child lets go of them.
 _LIVE: weakref.WeakSet[Fetcher] = weakref.WeakSet()
+
+
+def live() -> list[Fetcher]:
+  """This process's fetchers not closed yet (the bench reads its workers' memory there)."""
+  return list(_LIVE)
 
 
 def _after_fork_in_child() -> None:

@@ -23,7 +23,7 @@ import traceback
 from multiprocessing.connection import Connection
 from typing import Any
 
-from bagel_grain import storage
+from bagel_grain import held_memory, storage
 from bagel_grain.sources import readahead
 from bagel_grain.errors import BagelGrainError, StorageUnavailableError
 
@@ -46,21 +46,24 @@ def send(conn: Connection, status: str, job: tuple[int, int], value: Any,
 
   `status` is "ok" (value: the element), "retry" (value: the StorageUnavailableError
   that a later attempt may not meet) or "error" (value: a traceback, the stream stops);
-  `spent` is what storage cost computing it."""
+  `spent` is what storage cost computing it. The header also carries what the worker
+  holds now (`held_memory.snapshot()`), for reports."""
   buffers: list[pickle.PickleBuffer] = []
   payload = pickle.dumps(value, protocol=5, buffer_callback=buffers.append)
-  conn.send((status, job, len(buffers), spent.retries, spent.wait_s))
+  conn.send((status, job, len(buffers), spent.retries, spent.wait_s, held_memory.snapshot()))
   conn.send_bytes(payload)
   for buffer in buffers:
     conn.send_bytes(buffer.raw())
 
 
-def recv(conn: Connection) -> tuple[str, tuple[int, int], Any, storage.ElementStorage]:
-  status, job, count, retries, wait_s = conn.recv()
+def recv(conn: Connection) -> tuple[str, tuple[int, int], Any, storage.ElementStorage,
+                                   dict[str, int]]:
+  """What `send` sent: status, job, value, storage cost, and the worker's memory held."""
+  status, job, count, retries, wait_s, held = conn.recv()
   payload = conn.recv_bytes()
   buffers = [conn.recv_bytes() for _ in range(count)]
   value = pickle.loads(payload, buffers=buffers)  # arrays view the bytes
-  return status, tuple(job), value, storage.ElementStorage(retries, wait_s)
+  return status, tuple(job), value, storage.ElementStorage(retries, wait_s), held
 
 
 def _widen(conn: Connection) -> None:
@@ -84,17 +87,17 @@ def _worker_main(conn: Connection) -> None:
   signal.signal(signal.SIGTERM, signal.SIG_DFL)  # whatever the re-imported main script set
   try:
     _widen(conn)
-    conn.send(("hello", None, 0, 0, 0.0))
+    conn.send(("hello", None, 0, 0, 0.0, held_memory.snapshot()))  # RSS after imports
     try:
       readahead.set_share(tuple(conn.recv()))  # the elements this worker decodes
       datasets = pickle.loads(conn.recv_bytes())
     except (EOFError, OSError):
       return
     except BaseException:  # pylint: disable=broad-except  # reported, then this worker ends
-      conn.send(("failed", None, 0, 0, 0.0))
+      conn.send(("failed", None, 0, 0, 0.0, {}))
       conn.send_bytes(pickle.dumps(traceback.format_exc()))
       return
-    conn.send(("ready", None, 0, 0, 0.0))
+    conn.send(("ready", None, 0, 0, 0.0, held_memory.snapshot()))  # and datasets loaded
     while True:
       job = conn.recv()
       if job is None:
@@ -136,6 +139,7 @@ class Worker:
     self.stage = "starting"  # -> "loading" (said hello) -> "ready" (datasets loaded)
     self.since = time.monotonic()  # start of the current stage, or of the job in hand
     self.jobs: collections.deque[tuple[int, int]] = collections.deque()
+    self.memory: dict[str, dict[str, int]] = {}  # see Fetcher.worker_memory
 
   def describe_exit(self) -> str:
     self.process.join(timeout=1)  # so that its exit code is known
