@@ -45,7 +45,7 @@ class _Child:
     if not line.strip().isdigit():
       self.stop()
       raise RuntimeError(f"{' '.join(args)} did not start (said {line!r})")
-    self.port = int(line)
+    self.port, self.pid = int(line), self._process.pid
 
   def ask(self, command: dict[str, Any]) -> dict[str, Any]:
     """Sends one JSON command line; its JSON answer line."""
@@ -134,6 +134,10 @@ class LocalObjectStore:
   def delete(self, key: str) -> None:
     """Deletes one object (a key under the bucket), directly on the server."""
     self.filesystem().delete_file(f"{self.bucket}/{key}")
+
+  def pids(self) -> list[int]:
+    """The process ids of the server and its proxies (to measure the CPU they burn)."""
+    return [child.pid for child in [self._server, *self._proxies]]
 
   def stop(self) -> None:
     for child in [*self._proxies, self._server]:
