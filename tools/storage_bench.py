@@ -11,7 +11,8 @@ Part 2 (`throughput`): the shipped demo config on its data (`make-sample-data`:
 a VLM JSONL line and its own image objects per sample, many small objects) and
 the shipped bench config on `make-bench-data` (large parquet row groups), each
 on local disk and on the S3 server behind the latency proxy at 0, 50 and 150 ms
-per request, with 2 workers: rows/s and image tokens/s (median of three windows),
+per request, with 2 workers: rows/s and image tokens/s (median of three windows, after
+a warm-up long enough for the workers to start),
 and the ratio to local disk; every place is measured once per round, each ratio
 against local disk of the same round, and the medians over the rounds reported
 (with the range of the ratios). Then the demo config on GCS (the emulator) at 50 ms
@@ -237,7 +238,8 @@ def _on(root: str, data: Path, shipped: str, tokenizer: Path) -> dict:
 
 
 def throughput(work: Path, data: Path | None, seconds: float, delays: list[float],
-               workers: list[int], rounds: int = 3, gcs_delay: float | None = 50) -> list[dict]:
+               workers: list[int], rounds: int = 3, gcs_delay: float | None = 50,
+               warmup_s: float = 10) -> list[dict]:
   """Rows/s and image tokens/s of the shipped demo config (a VLM JSONL line and its own
   image objects per sample: many small objects) and of the bench config (large parquet
   row groups), on local disk and on S3 behind the latency proxy, in one run; and the
@@ -245,7 +247,6 @@ def throughput(work: Path, data: Path | None, seconds: float, delays: list[float
   workers. Each row also says how busy the machine was (load average) and how much CPU
   the server and proxy burned on the same cores (cores = CPU seconds per second)."""
   # pylint: disable=import-outside-toplevel
-  from bagel_grain.tooling import bench
   from bagel_grain.tooling.bench_data import make_bench_data
   from bagel_grain.tooling.demo_data import make_sample_data
   from bagel_grain.config import load_config
@@ -267,13 +268,9 @@ def throughput(work: Path, data: Path | None, seconds: float, delays: list[float
       tokenizer = load_tokenizer(cfg.tokenizer_path)
       for w in worker_counts:
         load, cpu, t0 = os.getloadavg()[0], _cpu_seconds(servers), time.perf_counter()
-        r = bench.measure_pipeline(cfg, tokenizer, workers=w, batch_size=1, seconds=seconds,
-                                   windows=3)
+        r = _windows(cfg, tokenizer, w, warmup_s, seconds)
         wall = time.perf_counter() - t0
-        rows_per_s = [x["rows"] / x["seconds"] for x in r["windows"]]
-        row = {"config": config_name, "storage": where, "workers": w, "round": round_,
-               "rows_per_s": sorted(rows_per_s)[len(rows_per_s) // 2],
-               "image_tokens_per_s": r["image_tokens_per_s"], "first_batch_s": r["first_batch_s"],
+        row = {"config": config_name, "storage": where, "workers": w, "round": round_, **r,
                "server_cores": (_cpu_seconds(servers) - cpu) / wall if servers else None,
                "load": max(load, os.getloadavg()[0])}
         print(json.dumps(row), flush=True)
@@ -336,6 +333,33 @@ def throughput(work: Path, data: Path | None, seconds: float, delays: list[float
   return summary
 
 
+def _windows(cfg, tokenizer, workers: int, warmup_s: float, seconds: float) -> dict:
+  """Rows/s and image tokens/s, medians of three windows, after `warmup_s` of batches: the
+  workers started and every place warm (a window while workers start would measure the
+  main process alone, and flatter nothing but the place with the quickest first batch)."""
+  # pylint: disable=import-outside-toplevel
+  from bagel_grain.pipeline import build_pipeline, pipeline_stats
+  start = time.perf_counter()
+  it = iter(build_pipeline(cfg, tokenizer, batch_size=1, workers=workers))
+  try:
+    next(it)
+    first_batch_s = time.perf_counter() - start
+    while time.perf_counter() - start < warmup_s:
+      next(it)
+    rows, tokens = [], []
+    for _ in range(3):
+      before, t0 = pipeline_stats(it), time.perf_counter()
+      while time.perf_counter() - t0 < seconds / 3:
+        next(it)
+      after, took = pipeline_stats(it), time.perf_counter() - t0
+      rows.append((after["rows"] - before["rows"]) / took)
+      tokens.append((after["image_tokens"] - before["image_tokens"]) / took)
+  finally:
+    it.close()
+  return {"rows_per_s": statistics.median(rows), "image_tokens_per_s": statistics.median(tokens),
+          "first_batch_s": first_batch_s}
+
+
 def _processes(store: LocalObjectStore) -> list[psutil.Process]:
   """The server and proxy processes of a test object store (their CPU is the harness's)."""
   return [p for p in psutil.Process().children() if p.pid in store.pids()]
@@ -378,6 +402,8 @@ def main() -> None:
                       help="throughput: the demo config on GCS at this latency, 0 and 2 workers "
                            "(negative: skipped)")
   parser.add_argument("--seconds", type=float, default=12)
+  parser.add_argument("--warmup-s", type=float, default=10,
+                      help="throughput: batches taken before the windows (workers started)")
   parser.add_argument("--rounds", type=int, default=3,
                       help="throughput: every place measured once per round; medians reported")
   parser.add_argument("--bench-data", type=Path, default=None,
@@ -404,7 +430,8 @@ def main() -> None:
     if not args.skip_throughput:
       report["throughput"] = throughput(Path(tmp), args.bench_data, args.seconds,
                                         args.delays_ms, args.workers, args.rounds,
-                                        args.gcs_delay_ms if args.gcs_delay_ms >= 0 else None)
+                                        args.gcs_delay_ms if args.gcs_delay_ms >= 0 else None,
+                                        args.warmup_s)
       print(_table(report["throughput"], [
           ("config", "config", ""), ("storage", "storage", ""), ("workers", "workers", ""),
           ("rows_per_s", "rows/s", ".2f"), ("image_tokens_per_s", "image tokens/s", ",.0f"),
