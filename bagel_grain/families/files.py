@@ -193,8 +193,9 @@ class EmbeddedFiles:
       raise Drop(self.record.file_errors.get(path, DropReason.MISSING_FILE), path)
     return self.record.files[path]
 
-  def reading(self, paths: Iterable[str]) -> contextlib.AbstractContextManager:  # pylint: disable=unused-argument
+  def reading(self, paths: Iterable[str]) -> contextlib.AbstractContextManager:
     """Nothing to start: the record carries its files."""
+    del paths
     return contextlib.nullcontext()
 
   def list_frames(self, folder: str) -> list[str]:

@@ -214,8 +214,8 @@ class ReadAhead:
     self.forget(left)
 
   def take(self, key: Hashable) -> Any | None:
-    """The value read ahead for `key` (forgotten here), or None: not started, failed, late.
-    A failure is never served nor kept: the caller reads again."""
+    """The value read ahead for `key` (this taker's hold let go), or None: not started,
+    failed, late. A failure is never served nor kept: the caller reads again."""
     with self._lock:
       if key in self._handed:
         self._handed.discard(key)
