@@ -6,6 +6,7 @@ import threading
 
 import grain
 import pytest
+from hypothesis import given, settings, strategies as st
 
 from bagel_grain.drops import Drop, DropReason
 from bagel_grain.families.files import DiskFiles
@@ -378,5 +379,27 @@ def test_a_frame_folder_is_listed_ahead_and_its_frames_read_together(tmp_path, m
     with store.reading(frames):  # a drop after one frame: the rest is not held
       store.read(frames[0])
     assert not [k for k in ahead._reads if k[0] == "file"]
+  finally:
+    ahead.close()
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(["start", "take", "forget"]),
+                                     st.sampled_from("abc")), max_size=30))
+def test_a_read_is_served_once_per_start_and_let_go_with_its_last_taker(ops):
+  ahead = ReadAhead(max_bytes=1 << 30)
+  holds = collections.Counter()  # the model: starts not yet taken or forgotten, per key
+  try:
+    for op, key in ops:
+      if op == "start":
+        assert ahead.start(key, lambda k=key: (k.encode(), 1))
+        holds[key] += 1
+      elif op == "take":
+        assert ahead.take(key) == (key.encode() if holds[key] else None)
+        holds[key] = max(0, holds[key] - 1)
+      else:
+        ahead.forget([key])
+        holds[key] = max(0, holds[key] - 1)
+      assert set(ahead._reads) == {k for k, n in holds.items() if n}
   finally:
     ahead.close()
