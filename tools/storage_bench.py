@@ -321,7 +321,7 @@ def throughput(work: Path, data: Path | None, seconds: float, delays: list[float
   summary = []
   for key in dict.fromkeys((r["config"], r["storage"], r["workers"]) for r in results):
     same = [r for r in results if (r["config"], r["storage"], r["workers"]) == key]
-    ratio = "ratio_to_local" if "ratio_to_local" in same[0] else "ratio_to_0_workers"
+    ratio = "ratio_to_0_workers" if "ratio_to_0_workers" in same[0] else "ratio_to_local"
     summary.append({"config": key[0], "storage": key[1], "workers": key[2], "rounds": len(same),
                     **{f: statistics.median(r[f] for r in same)
                        for f in ("rows_per_s", "image_tokens_per_s", "first_batch_s", "load")},
