@@ -6,6 +6,7 @@ import threading
 
 import grain
 import pytest
+from hypothesis import given, settings, strategies as st
 
 from bagel_grain.drops import Drop, DropReason
 from bagel_grain.families.files import DiskFiles
@@ -309,3 +310,96 @@ def test_close_does_not_wait_forever_on_a_stalled_read(monkeypatch):
   for thread in _read_ahead_threads():
     thread.join(30)
   assert not _read_ahead_threads()
+
+
+def test_a_file_two_records_name_is_read_once_and_served_to_each(tmp_path):
+  # Two lines about the same image within the read-ahead window (or the same line in two
+  # epochs of a small corpus): the second hint must not be lost when the first is served.
+  (tmp_path / "shared.png").write_bytes(b"on disk")
+  disk = DiskFiles(str(tmp_path))
+  reads = collections.Counter()
+
+  def read_file(path):
+    reads[path] += 1
+    return b"read ahead"
+
+  ahead = ReadAhead(max_bytes=1 << 30)
+  ra = ReadAheadRecords(CountingRecords(6), files_of=lambda r: [disk.locate("shared.png")],
+                        read_file=read_file, ahead=ahead, depth=5)
+  path = disk.locate("shared.png")
+  try:
+    for i in range(6):
+      assert ra[i] == f"r{i}"
+      assert DiskFiles(str(tmp_path), ahead).read(path) == b"read ahead"
+  finally:
+    ahead.close()
+  assert reads[path] <= 2  # once for record 0 (read by the consumer), once for 1-5 held
+
+
+def test_a_file_the_consumer_did_not_take_is_let_go_once():
+  ahead = ReadAhead()
+  try:
+    for _ in range(2):  # two takers of one read
+      assert ahead.start("k", lambda: (b"v", 1))
+    ahead.hand_over(["k"])
+    ahead.hand_over([])  # the first taker's element ended without taking it
+    assert ahead.take("k") == b"v"  # the second taker still gets it
+    assert ahead.take("k") is None and ahead.held_bytes() == 0
+  finally:
+    ahead.close()
+
+
+def test_a_frame_folder_is_listed_ahead_and_its_frames_read_together(tmp_path, monkeypatch):
+  folder = tmp_path / "clip"
+  folder.mkdir()
+  for i in range(4):
+    (folder / f"frame_{i}.jpg").write_bytes(b"frame %d" % i)
+  disk = DiskFiles(str(tmp_path))
+  located = disk.locate("clip/")
+  ahead = ReadAhead(threads=4)
+  ra = ReadAheadRecords(CountingRecords(3), files_of=lambda r: [located],
+                        read_file=lambda p: b"never a file", ahead=ahead, depth=2)
+  started = threading.Barrier(4, timeout=30)  # four frame reads in flight at once
+  real_read = readahead.fs.read_file
+
+  def frame_read(path, max_bytes):
+    started.wait()
+    return real_read(path, max_bytes)
+
+  try:
+    assert ra[0] == "r0" and ra[1] == "r1"
+    ahead._reads[("list", located)].result(timeout=30)
+    store = DiskFiles(str(tmp_path), ahead)
+    monkeypatch.setattr("bagel_grain.families.files.fs.list_files", None)  # must come ahead
+    frames = store.list_frames(located)
+    assert [f.rsplit("/", 1)[1] for f in frames] == [f"frame_{i}.jpg" for i in range(4)]
+    monkeypatch.setattr("bagel_grain.families.files.fs.read_file", frame_read)
+    with store.reading(frames):
+      assert [store.read(f) for f in frames] == [b"frame %d" % i for i in range(4)]
+    with store.reading(frames):  # a drop after one frame: the rest is not held
+      store.read(frames[0])
+    assert not [k for k in ahead._reads if k[0] == "file"]
+  finally:
+    ahead.close()
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(["start", "take", "forget"]),
+                                     st.sampled_from("abc")), max_size=30))
+def test_a_read_is_served_once_per_start_and_let_go_with_its_last_taker(ops):
+  ahead = ReadAhead(max_bytes=1 << 30)
+  holds = collections.Counter()  # the model: starts not yet taken or forgotten, per key
+  try:
+    for op, key in ops:
+      if op == "start":
+        assert ahead.start(key, lambda k=key: (k.encode(), 1))
+        holds[key] += 1
+      elif op == "take":
+        assert ahead.take(key) == (key.encode() if holds[key] else None)
+        holds[key] = max(0, holds[key] - 1)
+      else:
+        ahead.forget([key])
+        holds[key] = max(0, holds[key] - 1)
+      assert set(ahead._reads) == {k for k, n in holds.items() if n}
+  finally:
+    ahead.close()

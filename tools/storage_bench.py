@@ -11,11 +11,14 @@ Part 2 (`throughput`): the shipped demo config on its data (`make-sample-data`:
 a VLM JSONL line and its own image objects per sample, many small objects) and
 the shipped bench config on `make-bench-data` (large parquet row groups), each
 on local disk and on the S3 server behind the latency proxy at 0, 50 and 150 ms
-per request, with 2 workers: rows/s and image tokens/s (median of three windows),
+per request, with 2 workers: rows/s and image tokens/s (median of three windows, after
+a warm-up long enough for the workers to start),
 and the ratio to local disk; every place is measured once per round, each ratio
 against local disk of the same round, and the medians over the rounds reported
-(with the range of the ratios). The local server (moto)
-and the proxy share the machine's CPUs with the pipeline.
+(with the range of the ratios). Then the demo config on GCS (the emulator) at 50 ms
+with 0 and 2 workers, 2 against 0. The local servers (moto, the emulator) and the
+proxy share the machine's CPUs with the pipeline: each row says how many cores they
+burned, and the load average.
 
     python tools/storage_bench.py --out out/storage_bench.json
     python tools/storage_bench.py --skip-startup --bench-data /tmp/bench_data
@@ -234,12 +237,15 @@ def _on(root: str, data: Path, shipped: str, tokenizer: Path) -> dict:
 
 
 def throughput(work: Path, data: Path | None, seconds: float, delays: list[float],
-               workers: list[int], rounds: int = 3) -> list[dict]:
+               workers: list[int], rounds: int = 3, gcs_delay: float | None = 50,
+               warmup_s: float = 10) -> list[dict]:
   """Rows/s and image tokens/s of the shipped demo config (a VLM JSONL line and its own
   image objects per sample: many small objects) and of the bench config (large parquet
-  row groups), on local disk and on S3 behind the latency proxy, in one run."""
+  row groups), on local disk and on S3 behind the latency proxy, in one run; and the
+  demo config on GCS (the emulator) behind the proxy at `gcs_delay` ms with 0 and 2
+  workers. Each row also says how busy the machine was (load average) and how much CPU
+  the server and proxy burned on the same cores (cores = CPU seconds per second)."""
   # pylint: disable=import-outside-toplevel
-  from bagel_grain.tooling import bench
   from bagel_grain.tooling.bench_data import make_bench_data
   from bagel_grain.tooling.demo_data import make_sample_data
   from bagel_grain.config import load_config
@@ -251,7 +257,7 @@ def throughput(work: Path, data: Path | None, seconds: float, delays: list[float
   results = []
 
   def run(config_name: str, corpus: Path, tokenizer_dir: Path, where: str, root: str,
-          env: dict):
+          env: dict, worker_counts: list[int], servers: list[psutil.Process], round_: int):
     with tempfile.NamedTemporaryFile("w", suffix=".yaml", delete=False) as f:
       yaml.safe_dump(_on(root, corpus, config_name, tokenizer_dir), f)
     saved = {k: os.environ.get(k) for k in env}
@@ -259,13 +265,13 @@ def throughput(work: Path, data: Path | None, seconds: float, delays: list[float
     try:
       cfg = load_config(f.name)
       tokenizer = load_tokenizer(cfg.tokenizer_path)
-      for w in workers:
-        r = bench.measure_pipeline(cfg, tokenizer, workers=w, batch_size=1, seconds=seconds,
-                                   windows=3)
-        rows_per_s = [x["rows"] / x["seconds"] for x in r["windows"]]
-        row = {"config": config_name, "storage": where, "workers": w,
-               "rows_per_s": sorted(rows_per_s)[len(rows_per_s) // 2],
-               "image_tokens_per_s": r["image_tokens_per_s"], "first_batch_s": r["first_batch_s"]}
+      for w in worker_counts:
+        load, cpu, t0 = os.getloadavg()[0], _cpu_seconds(servers), time.perf_counter()
+        r = _windows(cfg, tokenizer, w, warmup_s, seconds)
+        wall = time.perf_counter() - t0
+        row = {"config": config_name, "storage": where, "workers": w, "round": round_, **r,
+               "server_cores": (_cpu_seconds(servers) - cpu) / wall if servers else None,
+               "load": max(load, os.getloadavg()[0])}
         print(json.dumps(row), flush=True)
         results.append(row)
     finally:
@@ -276,22 +282,30 @@ def throughput(work: Path, data: Path | None, seconds: float, delays: list[float
         else:
           os.environ[k] = v
 
-  with LocalObjectStore("s3") as store:
+  with LocalObjectStore("s3") as store, LocalObjectStore("gcs") as gcs:
     roots = {name: store.upload(str(corpus), name) for name, corpus, _ in corpora}
+    s3_servers = _processes(store)
     places = [("local disk", None, {})] + [
         (f"S3 at {delay:g} ms", "s3", store.environment(store.proxy_port(delay) if delay else None))
         for delay in delays]
+    gcs_root = gcs.upload(str(demo), "demo") if gcs_delay is not None else None
+    gcs_env = gcs.environment(gcs.proxy_port(gcs_delay) if gcs_delay else None)
     # Rounds of every place one after the other: on a shared machine the load drifts,
     # and a ratio to local disk measured minutes apart would mostly measure the drift.
     for round_ in range(rounds):
       for name, corpus, tokenizer_dir in corpora:
         for where, remote, env in places:
-          run(name, corpus, tokenizer_dir, where, roots[name] if remote else str(corpus), env)
-          results[-len(workers):] = [{**r, "round": round_} for r in results[-len(workers):]]
+          run(name, corpus, tokenizer_dir, where, roots[name] if remote else str(corpus), env,
+              workers, s3_servers if remote else [], round_)
+      if gcs_root is not None:
+        run("demo", demo, demo / "tokenizer", f"GCS at {gcs_delay:g} ms", gcs_root, gcs_env,
+            [0, 2], _processes(gcs), round_)
   for r in results:
-    local = next(x for x in results if x["storage"] == "local disk" and x["config"] == r["config"]
-                 and x["workers"] == r["workers"] and x["round"] == r["round"])
-    r["ratio_to_local"] = r["rows_per_s"] / local["rows_per_s"]
+    local = next((x for x in results if x["storage"] == "local disk"
+                  and x["config"] == r["config"] and x["workers"] == r["workers"]
+                  and x["round"] == r["round"]), None)
+    if local is not None:
+      r["ratio_to_local"] = r["rows_per_s"] / local["rows_per_s"]
     # Against the server without added latency: what latency costs, apart from the
     # server's own CPU (moto serves each request in Python, on the same cores).
     server = next((x for x in results if x["storage"] == "S3 at 0 ms"
@@ -299,18 +313,66 @@ def throughput(work: Path, data: Path | None, seconds: float, delays: list[float
                    and x["round"] == r["round"]), None)
     if server is not None and r["storage"].startswith("S3"):
       r["ratio_to_s3_0ms"] = r["rows_per_s"] / server["rows_per_s"]
+    if r["storage"].startswith("GCS"):  # the goal: 2 workers no slower than 0
+      none = next(x for x in results if x["storage"] == r["storage"] and x["workers"] == 0
+                  and x["round"] == r["round"])
+      r["ratio_to_0_workers"] = r["rows_per_s"] / none["rows_per_s"]
   summary = []
   for key in dict.fromkeys((r["config"], r["storage"], r["workers"]) for r in results):
     same = [r for r in results if (r["config"], r["storage"], r["workers"]) == key]
+    ratio = "ratio_to_0_workers" if "ratio_to_0_workers" in same[0] else "ratio_to_local"
     summary.append({"config": key[0], "storage": key[1], "workers": key[2], "rounds": len(same),
                     **{f: statistics.median(r[f] for r in same)
-                       for f in ("rows_per_s", "image_tokens_per_s", "ratio_to_local",
-                                 "first_batch_s")},
-                    **({"ratio_to_s3_0ms": statistics.median(r["ratio_to_s3_0ms"] for r in same)}
-                       if "ratio_to_s3_0ms" in same[0] else {}),
-                    "ratio_range": (f"{min(r['ratio_to_local'] for r in same):.2f}-"
-                                    f"{max(r['ratio_to_local'] for r in same):.2f}")})
+                       for f in ("rows_per_s", "image_tokens_per_s", "first_batch_s", "load")},
+                    **{f: statistics.median(r[f] for r in same)
+                       for f in ("ratio_to_local", "ratio_to_s3_0ms", "ratio_to_0_workers",
+                                 "server_cores") if same[0].get(f) is not None},
+                    "ratio_range": (f"{min(r[ratio] for r in same):.2f}-"
+                                    f"{max(r[ratio] for r in same):.2f}")})
   return summary
+
+
+def _windows(cfg, tokenizer, workers: int, warmup_s: float, seconds: float) -> dict:
+  """Rows/s and image tokens/s, medians of three windows, after `warmup_s` of batches: the
+  workers started and every place warm (a window while workers start would measure the
+  main process alone, and flatter nothing but the place with the quickest first batch)."""
+  # pylint: disable=import-outside-toplevel
+  from bagel_grain.pipeline import build_pipeline, pipeline_stats
+  start = time.perf_counter()
+  it = iter(build_pipeline(cfg, tokenizer, batch_size=1, workers=workers))
+  try:
+    next(it)
+    first_batch_s = time.perf_counter() - start
+    while time.perf_counter() - start < warmup_s:
+      next(it)
+    rows, tokens = [], []
+    for _ in range(3):
+      before, t0 = pipeline_stats(it), time.perf_counter()
+      while time.perf_counter() - t0 < seconds / 3:
+        next(it)
+      after, took = pipeline_stats(it), time.perf_counter() - t0
+      rows.append((after["rows"] - before["rows"]) / took)
+      tokens.append((after["image_tokens"] - before["image_tokens"]) / took)
+  finally:
+    it.close()
+  return {"rows_per_s": statistics.median(rows), "image_tokens_per_s": statistics.median(tokens),
+          "first_batch_s": first_batch_s}
+
+
+def _processes(store: LocalObjectStore) -> list[psutil.Process]:
+  """The server and proxy processes of a test object store (their CPU is the harness's)."""
+  return [p for p in psutil.Process().children() if p.pid in store.pids()]
+
+
+def _cpu_seconds(processes: list[psutil.Process]) -> float:
+  total = 0.0
+  for p in processes:
+    try:
+      times = p.cpu_times()
+    except psutil.Error:
+      continue
+    total += times.user + times.system
+  return total
 
 
 def _table(rows: list[dict], columns: list[tuple[str, str, str]]) -> str:
@@ -335,7 +397,12 @@ def main() -> None:
   parser.add_argument("--startup-delay-ms", type=float, default=20)
   parser.add_argument("--delays-ms", type=float, nargs="*", default=[0, 50, 150])
   parser.add_argument("--workers", type=int, nargs="*", default=[2])
+  parser.add_argument("--gcs-delay-ms", type=float, default=50,
+                      help="throughput: the demo config on GCS at this latency, 0 and 2 workers "
+                           "(negative: skipped)")
   parser.add_argument("--seconds", type=float, default=12)
+  parser.add_argument("--warmup-s", type=float, default=10,
+                      help="throughput: batches taken before the windows (workers started)")
   parser.add_argument("--rounds", type=int, default=3,
                       help="throughput: every place measured once per round; medians reported")
   parser.add_argument("--bench-data", type=Path, default=None,
@@ -361,12 +428,15 @@ def main() -> None:
                                                           ".1f")]))
     if not args.skip_throughput:
       report["throughput"] = throughput(Path(tmp), args.bench_data, args.seconds,
-                                        args.delays_ms, args.workers, args.rounds)
+                                        args.delays_ms, args.workers, args.rounds,
+                                        args.gcs_delay_ms if args.gcs_delay_ms >= 0 else None,
+                                        args.warmup_s)
       print(_table(report["throughput"], [
           ("config", "config", ""), ("storage", "storage", ""), ("workers", "workers", ""),
           ("rows_per_s", "rows/s", ".2f"), ("image_tokens_per_s", "image tokens/s", ",.0f"),
-          ("ratio_to_local", "x local", ".2f"), ("ratio_range", "x local, range", ""),
-          ("ratio_to_s3_0ms", "x S3 at 0 ms", ".2f"),
+          ("ratio_to_local", "x local", ".2f"), ("ratio_to_0_workers", "x 0 workers", ".2f"),
+          ("ratio_range", "range", ""), ("ratio_to_s3_0ms", "x S3 at 0 ms", ".2f"),
+          ("server_cores", "server+proxy cores", ".2f"), ("load", "load avg", ".1f"),
           ("first_batch_s", "first batch s", ".2f")]))
   os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
   with open(args.out, "w") as f:

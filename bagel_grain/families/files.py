@@ -9,9 +9,10 @@ each refusal: both stores give the same verdict for the same row.
 
 from __future__ import annotations
 
+import contextlib
 import io
 import os
-from typing import IO, Any, Protocol
+from typing import IO, Any, Iterable, Protocol
 
 from bagel_grain import fs
 from bagel_grain.drops import Drop, DropReason, require
@@ -31,6 +32,9 @@ class FileStore(Protocol):
 
   def read(self, path: str) -> bytes:
     """The bytes of a located file, or of a frame from `list_frames`."""
+
+  def reading(self, paths: Iterable[str]) -> contextlib.AbstractContextManager:
+    """A context within which `read` of `paths` may be served by reads started together."""
 
   def list_frames(self, folder: str) -> list[str]:
     """Every file of a located frame folder, in upstream's order (`video.order_folder_entries`)."""
@@ -69,6 +73,7 @@ class DiskFiles:
     self.ahead = ahead  # files read ahead under ("file", path), see `sources.readahead`
     self.max_image_bytes = max_image_bytes
     self.storage = storage or (ahead.storage if ahead is not None else RetryPolicy())
+    self._together: set[tuple[str, str]] = set()  # started by `reading`, not taken yet
 
   def locate(self, relative: Any) -> str:
     check_relative(relative)
@@ -88,6 +93,7 @@ class DiskFiles:
     """An image's or frame's bytes: only a regular file of at most `max_image_bytes`
     (read ahead through `read_image`, or read now)."""
     if self.ahead is not None and (data := self.ahead.take(("file", path))) is not None:
+      self._together.discard(("file", path))
       return data
     return self._read(path, self.max_image_bytes)
 
@@ -104,9 +110,30 @@ class DiskFiles:
     except OSError as e:
       raise _definite(e, path) from None
 
-  def list_frames(self, folder: str) -> list[str]:
+  def reading(self, paths: Iterable[str]) -> contextlib.AbstractContextManager:
+    """Within it, `read` of each of `paths` takes bytes whose reads all started at its
+    start (one round trip for a video's frames, not one per frame); those not read by its
+    end are forgotten."""
+    if self.ahead is None:
+      return contextlib.nullcontext()
+    return self._reads_together([("file", p) for p in paths])
+
+  @contextlib.contextmanager
+  def _reads_together(self, keys: list[tuple[str, str]]):
+    for key in dict.fromkeys(keys):
+      if self.ahead.start(key, lambda p=key[1]: _sized(fs.read_file(p, self.max_image_bytes))):
+        self._together.add(key)
     try:
-      listed = self.storage.call(folder, lambda: fs.list_files(folder))
+      yield
+    finally:  # what a drop left unread is not held
+      self.ahead.forget(self._together)
+      self._together = set()
+
+  def list_frames(self, folder: str) -> list[str]:
+    listed = self.ahead.take(("list", folder)) if self.ahead is not None else None
+    try:
+      if listed is None:
+        listed = self.storage.call(folder, lambda: fs.list_files(folder))
     except OSError as e:
       raise _definite(e, f"video folder {folder}") from None
     frames = order_folder_entries(listed)
@@ -129,6 +156,10 @@ class DiskFiles:
     require(size <= max_bytes, DropReason.FILE_TOO_LARGE,
             f"{path}: {size} bytes > max_video_bytes = {max_bytes}")
     return path  # PyAV opens the path itself
+
+
+def _sized(data: bytes) -> tuple[bytes, int]:
+  return data, len(data)
 
 
 def _definite(error: OSError, what: str) -> Exception:
@@ -161,6 +192,11 @@ class EmbeddedFiles:
     if path not in self.record.files:
       raise Drop(self.record.file_errors.get(path, DropReason.MISSING_FILE), path)
     return self.record.files[path]
+
+  def reading(self, paths: Iterable[str]) -> contextlib.AbstractContextManager:
+    """Nothing to start: the record carries its files."""
+    del paths
+    return contextlib.nullcontext()
 
   def list_frames(self, folder: str) -> list[str]:
     names = [*self.record.files, *self.record.file_errors]  # an unreadable frame counts too

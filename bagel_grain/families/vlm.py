@@ -107,12 +107,15 @@ class VLMTransform(FamilyTransform):
                                     self.max_image_bytes)
 
   def files_ahead(self, record: Record) -> list[str]:
-    """The image files a line lists (frames and videos are read when parsed)."""
+    """The image files a line lists, or its frame folder (listed ahead; which frames are read
+    is drawn when parsed; a video file is read when parsed)."""
     if record.error is not None or isinstance(record.fields, LineWithFiles):
       return []
     try:
       row = parse_row(record.fields)
-      listed = listed_images(row) if "image" in row else []
+      video = row.get("video")
+      listed = (listed_images(row) if "image" in row
+                else [video] if isinstance(video, str) and is_folder(video) else [])
     except Drop:
       return []
     disk, paths = DiskFiles(self.data_dirs[record.dataset]), []
@@ -137,11 +140,12 @@ class VLMTransform(FamilyTransform):
 
   def _frame_pixels(self, files: FileStore, frames: list, num_frames: int) -> list[np.ndarray]:
     pixels = []
-    for frame in frames:
-      if isinstance(frame, str):  # an entry of a frame folder
-        pixels.extend(self.load(files.read(frame), [(self.vit_transform, num_frames)]))
-      else:  # a frame decoded from a video file
-        pixels.append(resize_image(frame, self.vit_transform, num_frames))
+    with files.reading(f for f in frames if isinstance(f, str)):
+      for frame in frames:
+        if isinstance(frame, str):  # an entry of a frame folder
+          pixels.extend(self.load(files.read(frame), [(self.vit_transform, num_frames)]))
+        else:  # a frame decoded from a video file
+          pixels.append(resize_image(frame, self.vit_transform, num_frames))
     return pixels
 
   def parse(self, record: Record, rng: np.random.Generator) -> Sample:

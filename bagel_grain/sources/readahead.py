@@ -33,7 +33,7 @@ from typing import Any, Callable, Hashable, Iterable
 
 import grain
 
-from bagel_grain import held_memory
+from bagel_grain import fs, held_memory
 from bagel_grain.storage import RetryPolicy, single_attempts
 
 THREADS = 8  # requests in flight per group and process, at least
@@ -93,6 +93,8 @@ class ReadAhead:
         collections.OrderedDict())
     self._admitted: dict[Hashable, int] = {}  # bytes counted for each read held
     self._known: set[Hashable] = set()  # reads whose size was known before reading
+    self._holders: dict[Hashable, int] = {}  # reads started for several takers (see `start`)
+    self._handed: set[Hashable] = set()  # the consumer's to take now (see `hand_over`)
     self._done_bytes, self._done_reads = 0, 0  # for the size of reads of unknown size
     self._read_s = 0.0  # mean time a read takes
     self._take_gap_s: float | None = None  # mean time between two takes
@@ -137,12 +139,14 @@ class ReadAhead:
 
   def start(self, key: Hashable, read: Callable[[], tuple[Any, int]],
             size: int | None = None, *, paced: bool = False) -> bool:
-    """Reads `read()` -> (value, its size in bytes) in the background, unless held already
-    or `size` (None: unknown, guessed) does not fit beside what is held and in flight, or
-    (`paced`) the reads in flight are already `target_in_flight()`. True when the read is
-    held now."""
+    """Reads `read()` -> (value, its size in bytes) in the background, unless `size` (None:
+    unknown, guessed) does not fit beside what is held and in flight, or (`paced`) the reads
+    in flight are already `target_in_flight()`. True when the read is held now: then one
+    `take` or `forget` of `key` is due (a key started twice is read once and held until both
+    are done)."""
     with self._lock:
-      if key in self._reads:
+      if key in self._reads:  # one read, served to each taker (an image two lines name)
+        self._holders[key] = self._holders.get(key, 1) + 1
         return True
       need = self._guess() if size is None else size
       if self._reads and self._counted() + need > self._max_bytes:
@@ -181,24 +185,42 @@ class ReadAhead:
         self._drop(key)
 
   def _drop(self, key: Hashable) -> concurrent.futures.Future | None:
-    """Forgets one read (caller holds the lock)."""
+    """Forgets one read, for every taker (caller holds the lock)."""
     self._admitted.pop(key, None)
     self._known.discard(key)
+    self._holders.pop(key, None)
     return self._reads.pop(key, None)
+
+  def _release(self, key: Hashable) -> concurrent.futures.Future | None:
+    """One taker lets go of a read, forgotten with its last one (caller holds the lock)."""
+    held = self._holders.get(key, 1) - 1
+    if held > 0 and key in self._reads:
+      self._holders[key] = held
+      return self._reads[key]
+    return self._drop(key)
 
   def forget(self, keys: Iterable[Hashable]) -> None:
     """Drops reads that will not be taken (cancelled if not started yet)."""
     with self._lock:
       for key in keys:
-        future = self._drop(key)
-        if future is not None:
+        future = self._release(key)
+        if future is not None and key not in self._reads:
           future.cancel()
 
-  def take(self, key: Hashable) -> Any | None:
-    """The value read ahead for `key` (forgotten here), or None: not started, failed, late.
-    A failure is never served nor kept: the caller reads again."""
+  def hand_over(self, keys: Iterable[Hashable]) -> None:
+    """Gives the consumer the reads held for the element it computes now; those of the
+    element before that it did not take are forgotten."""
     with self._lock:
-      future = self._drop(key)
+      left, self._handed = self._handed, set(keys)
+    self.forget(left)
+
+  def take(self, key: Hashable) -> Any | None:
+    """The value read ahead for `key` (this taker's hold let go), or None: not started,
+    failed, late. A failure is never served nor kept: the caller reads again."""
+    with self._lock:
+      if key in self._handed:
+        self._handed.discard(key)
+      future = self._release(key)
       now = time.monotonic()
       if self._last_take is not None:
         gap = now - self._last_take
@@ -222,6 +244,8 @@ class ReadAhead:
       self._reads.clear()
       self._admitted.clear()
       self._known.clear()
+      self._holders.clear()
+      self._handed.clear()
     if pool is not None:
       pool.shutdown(wait=False, cancel_futures=True)
       deadline = time.monotonic() + CLOSE_WAIT_S
@@ -249,11 +273,10 @@ class ReadAheadRecords(grain.MapDataset):
     self._hinted = -1  # the highest index whose read was started (or done by the consumer)
     self._asked = -1  # the last index asked for: (asked, hinted] are read ahead, not taken
     self._files: dict[int, list[str]] = {}  # the files read ahead for those indices
-    self._served: list[str] = []  # files of the record served last: its consumer's to take
 
   def __getstate__(self):
     state = self.__dict__.copy()
-    state.update(_hinted=-1, _asked=-1, _files={}, _served=[])
+    state.update(_hinted=-1, _asked=-1, _files={})
     return state
 
   def __len__(self) -> int:
@@ -266,11 +289,22 @@ class ReadAheadRecords(grain.MapDataset):
     record = self._records[index]
     if index < self._asked:  # passed while it was read: nobody here will take its files
       return record, 0
-    self._files[index] = paths = list(self._files_of(record))
-    for path in paths:
-      self.ahead.start(("file", path), lambda p=path: _sized(self._read_file(p)),
-                       size=_local_size(path))
+    self._start_files(index, record)
     return record, _size(getattr(record, "fields", None))
+
+  def _start_files(self, index: int, record: Any) -> None:
+    """Starts the reads of the files `record` names, all at once: a file's bytes, or a frame
+    folder's listing (which frames are read is drawn when the record is parsed)."""
+    started = []
+    for path in self._files_of(record):
+      if path.endswith(("/", os.sep)):
+        held = self.ahead.start(("list", path), lambda p=path: _listed(fs.list_files(p)))
+      else:
+        held = self.ahead.start(("file", path), lambda p=path: _sized(self._read_file(p)),
+                                size=_local_size(path))
+      if held:  # each one taken or forgotten once
+        started.append(path)
+    self._files[index] = started
 
   def _record_size(self, index: int) -> int | None:
     """The record's size when the source knows it before reading (a JSONL line's length)."""
@@ -279,10 +313,9 @@ class ReadAheadRecords(grain.MapDataset):
 
   def _forget_below(self, index: int) -> None:
     stale = [("record", i) for i in range(self._asked + 1, min(index, self._hinted + 1))]
-    stale.extend(("file", path) for path in self._served)  # not taken: dropped before reading
-    self._asked, self._served = index, []
+    self._asked = index
     for passed in [i for i in list(self._files) if i < index]:  # read-ahead threads add keys
-      stale.extend(("file", path) for path in self._files.pop(passed, ()))
+      stale.extend(_file_keys(self._files.pop(passed, ())))
     self.ahead.forget(stale)
 
   def __getitem__(self, index):
@@ -292,7 +325,8 @@ class ReadAheadRecords(grain.MapDataset):
     record = self.ahead.take(("record", index))
     if record is None:  # read here first: the sources load their arrays on the first read
       record = self._records[index]
-    self._served = self._files.pop(index, [])  # held: the consumer takes them next
+      self._start_files(index, record)  # its files together, not one after the other
+    self.ahead.hand_over(_file_keys(self._files.pop(index, [])))  # the consumer takes them next
     self._hinted = max(self._hinted, index)
     depth = min(self._depth, max(MIN_DEPTH, 4 * self.ahead.target_in_flight()))
     for ahead in range(self._hinted + 1, min(index + depth + 1, len(self))):
@@ -329,6 +363,15 @@ def _local_size(path: str) -> int | None:
 
 def _sized(data: bytes) -> tuple[bytes, int]:
   return data, len(data)
+
+
+def _listed(paths: list[str]) -> tuple[list[str], int]:
+  return paths, sum(len(p) for p in paths)
+
+
+def _file_keys(paths: Iterable[str]) -> list[tuple[str, str]]:
+  """The read-ahead keys of a record's files: ("list", folder) or ("file", path)."""
+  return [("list" if p.endswith(("/", os.sep)) else "file", p) for p in paths]
 
 
 def _size(value: Any) -> int:

@@ -4,9 +4,11 @@
   It closes each connection after one answer; `fault_proxy` in front keeps client
   connections open, as real S3 does.
 - GCS: `gcp-storage-emulator` (the `test` extra), read by pyarrow's `GcsFileSystem`.
-  It must run in a process of its own: with the emulator's thread in the reading
-  process, pyarrow's GCS file reads stall for good (the reading call keeps the
-  interpreter lock while it waits, so the emulator's thread never answers).
+  It answers one request at a time, from a queue of connections made longer here (with
+  its own 5, concurrent clients waited a second for a connection). It must run in a
+  process of its own: with the emulator's thread in the reading process, pyarrow's GCS
+  file reads stall for good (the reading call keeps the interpreter lock while it
+  waits, so the emulator's thread never answers).
 - `delay_ms` / `proxy_port`: a `latency_proxy` process in front of the server.
 - `fault_proxy()`: a `fault_proxy` process in front of the server, told what to
   break and for how long (`FaultProxy`).
@@ -43,7 +45,7 @@ class _Child:
     if not line.strip().isdigit():
       self.stop()
       raise RuntimeError(f"{' '.join(args)} did not start (said {line!r})")
-    self.port = int(line)
+    self.port, self.pid = int(line), self._process.pid
 
   def ask(self, command: dict[str, Any]) -> dict[str, Any]:
     """Sends one JSON command line; its JSON answer line."""
@@ -133,6 +135,10 @@ class LocalObjectStore:
     """Deletes one object (a key under the bucket), directly on the server."""
     self.filesystem().delete_file(f"{self.bucket}/{key}")
 
+  def pids(self) -> list[int]:
+    """The process ids of the server and its proxies (to measure the CPU they burn)."""
+    return [child.pid for child in [self._server, *self._proxies]]
+
   def stop(self) -> None:
     for child in [*self._proxies, self._server]:
       child.stop()
@@ -185,8 +191,11 @@ def _serve_gcs(bucket: str) -> None:
   from gcp_storage_emulator.server import create_server  # pylint: disable=import-outside-toplevel
   server = create_server("127.0.0.1", 0, in_memory=True, default_bucket=bucket)
   server.start()
-  # pylint: disable-next=protected-access  # the emulator has no accessor for its bound port
-  print(server._api._httpd.server_address[1], flush=True)
+  httpd = server._api._httpd  # pylint: disable=protected-access  # no accessor for these
+  # Its HTTPServer queues 5 connections: past that the kernel drops a client's SYN, and
+  # the client waits a whole second to send it again. A real endpoint queues many.
+  httpd.socket.listen(128)
+  print(httpd.server_address[1], flush=True)
 
 
 if __name__ == "__main__":
