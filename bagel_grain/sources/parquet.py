@@ -23,7 +23,10 @@ from bagel_grain.errors import DatasetError
 from bagel_grain.sources.base import PartOffsets
 from bagel_grain.sources import parquet_footer, sidecar
 
-DEFAULT_CACHE_BYTES = 256 << 20  # per source and process; rows come in row-group-blocked order
+# Per source and process. Rows come in row-group-blocked order, so a reader needs the row
+# group it is in and the next one, which read-ahead starts early: two row groups of 16 MiB.
+# A larger cache only keeps what a pass has left behind (in every worker process too).
+DEFAULT_CACHE_BYTES = 32 << 20
 _BATCH_BYTES = 1 << 20  # a row group is decoded this much at a time
 _UNDECODABLE_KEPT = 256
 
