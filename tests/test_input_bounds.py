@@ -26,7 +26,7 @@ from bagel_grain import images
 from bagel_grain.config import config_from_dict
 from bagel_grain.drops import Dropped
 from bagel_grain.pipeline import build_pipeline, family_transform, pipeline_stats
-from bagel_grain.sources.parquet import ParquetRowSource
+from bagel_grain.sources.parquet import DEFAULT_CACHE_BYTES, ParquetRowSource
 from bagel_grain.sources.records import Record
 from shipped_demo import shipped_demo_raw
 from deadline import deadline
@@ -256,9 +256,24 @@ def test_row_group_cache_is_bounded_in_bytes_and_holds_arrow_tables(tmp_path):
   assert roomy.row_group_reads == 3
 
 
+
+def test_the_default_cache_keeps_the_row_group_in_use_while_the_next_one_is_read(tmp_path):
+  # Read-ahead steps into the next row group while rows of the current one are still to be
+  # served: with row groups of up to half the default, neither is read twice, and what a
+  # pass leaves behind is let go (three row groups do not fit).
+  size = DEFAULT_CACHE_BYTES // 2 - (1 << 20)
+  files = _parquet_files(tmp_path, rows=4, row_bytes=size // 4)
+  source = ParquetRowSource(files, ["id", "image"])
+  order = [0, 1, 4, 2, 3, 5, 8, 6, 7, 9, 10, 11]  # a row of the next row group comes early
+  assert sorted(order) == list(range(len(source)))
+  for i in order:
+    source[i]  # pylint: disable=pointless-statement
+  assert source.row_group_reads == 3
+  assert source._cache.held_bytes <= DEFAULT_CACHE_BYTES
+
 _PARQUET_PEAK = """
 import glob, json, sys
-from bagel_grain.sources.parquet import ParquetRowSource
+from bagel_grain.sources.parquet import DEFAULT_CACHE_BYTES, ParquetRowSource
 
 def status(field):
   return int(next(l for l in open("/proc/self/status") if l.startswith(field)).split()[1]) * 1024

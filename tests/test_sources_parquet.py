@@ -1,5 +1,9 @@
 """Parquet rows by row group: the footer index, row-group blocks, record ids, bad files."""
 
+import os
+import subprocess
+import sys
+
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -204,3 +208,37 @@ def test_cells_at_the_limit_are_served(tmp_path):
   with pytest.raises(Drop):
     served[1]
   assert ParquetRowSource([path], ["image"])[1]["image"] == b"b" * 1001  # no limit given
+
+
+_POOL_AFTER_A_READ = """
+import sys
+import pyarrow as pa
+from bagel_grain.sources.parquet import ParquetRowSource
+before = pa.default_memory_pool().backend_name
+source = ParquetRowSource([sys.argv[1]], ["id"])
+source[0]
+print(before, pa.default_memory_pool().backend_name)
+"""
+
+
+@pytest.mark.parametrize("chosen", [None, "system"])
+def test_a_process_reads_row_groups_with_jemalloc_unless_arrow_was_told_otherwise(
+    tmp_path, chosen):
+  # mimalloc, pyarrow's default, kept the row groups read-ahead threads freed; the
+  # user's ARROW_DEFAULT_MEMORY_POOL still wins.
+  path = tmp_path / "rows.parquet"
+  pq.write_table(pa.table({"id": ["a", "b"]}), path)
+  env = {k: v for k, v in os.environ.items() if k != "ARROW_DEFAULT_MEMORY_POOL"}
+  if chosen:
+    env["ARROW_DEFAULT_MEMORY_POOL"] = chosen
+  done = subprocess.run([sys.executable, "-c", _POOL_AFTER_A_READ, str(path)], env=env,
+                        capture_output=True, text=True, timeout=120, check=True)
+  before, after = done.stdout.split()
+  if chosen:
+    assert before == after == chosen
+  else:
+    try:
+      pa.jemalloc_memory_pool()
+    except NotImplementedError:
+      pytest.skip("this pyarrow has no jemalloc")
+    assert after == "jemalloc"

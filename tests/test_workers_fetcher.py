@@ -63,6 +63,43 @@ def test_inline_fetcher_computes_what_it_is_asked_for():
   fetcher.close()
 
 
+
+class Counted(Squares):
+  """Squares that count how often each element was computed, and say when one was."""
+
+  def __init__(self, size):
+    super().__init__(size)
+    self.computed, self.changed = [], threading.Condition()
+
+  def __getitem__(self, index):
+    if index >= self.size:
+      raise IndexError(f"element {index} of {self.size}")
+    value = super().__getitem__(index)
+    with self.changed:
+      self.computed.append(index)
+      self.changed.notify_all()
+    return value
+
+
+def test_inline_fetcher_computes_the_next_element_while_the_caller_is_away():
+  # Without workers the packer's own work overlaps the decode of what it asks next.
+  group = Counted(4)
+  fetcher = Fetcher([group, Squares(3)], workers=0, depths=[0, 0])
+  try:
+    assert fetcher.get(0, 1)[0] == 1
+    with deadline(60), group.changed:
+      group.changed.wait_for(lambda: 2 in group.computed)
+    assert fetcher.get(0, 2)[0] == 4  # taken, not computed again
+    assert fetcher.get(0, 3)[0] == 9  # the last: nothing past the end is asked for
+    assert fetcher.get(1, 2)[0] == 4
+    with deadline(60), group.changed:
+      group.changed.wait_for(lambda: len(group.computed) >= 3)
+    assert group.computed == [1, 2, 3]  # each once, in order, one ahead at most
+    with pytest.raises(IndexError):
+      fetcher.get(0, 4)  # asked past the end: the group's own error, not a hang
+  finally:
+    fetcher.close()
+
 def test_workers_run_at_a_lower_priority_than_the_main_process():
   # They work ahead; the main process (packer, trainer) is the critical path, and on a
   # busy host starting workers must not slow its first batch.

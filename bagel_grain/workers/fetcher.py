@@ -11,7 +11,9 @@ The main thread never waits without a deadline. Elements the main process comput
 run on one helper thread (the inline thread), so a read that stalls, or a worker
 that stops answering, becomes an error after `element_timeout_s` naming the group,
 index and record; a Ctrl-C while waiting leaves the element to finish in the
-background, ready for the next call.
+background, ready for the next call. Without workers the inline thread also
+computes the next element of the group just asked for (`INLINE_AHEAD`), so the
+packer's own work on a row overlaps a decode instead of alternating with it.
 
 A thread of the main process (the pump) hands jobs to the workers and drains their
 results as soon as they are sent, so a worker never waits on a busy packer. Each
@@ -51,6 +53,7 @@ from bagel_grain.workers.process import GUARD_HINT, Worker, WorkerError, recv, s
 
 _MIN_START_TIMEOUT_S = 120.0  # importing the main script on a busy host can take that long
 JOBS_PER_WORKER = 4  # handed out ahead, so a worker never idles between results
+INLINE_AHEAD = 1  # without workers: next elements of a group computed while the packer packs
 _POLL_S = 1.0
 
 
@@ -129,8 +132,12 @@ class Fetcher:
   def get(self, group: int, index: int) -> Any:
     self._check_owner()
     with self._cond:
-      for ahead in range(self._depths[group] + 1 if self._pump is not None else 1):
-        self._want(group, index + ahead)
+      if self._pump is not None:
+        for ahead in range(self._depths[group] + 1):
+          self._want(group, index + ahead)
+      else:  # the one asked for first, then the next ones
+        for ahead in range(INLINE_AHEAD + 1):
+          self._queue_inline(group, index + ahead, first=ahead == 0)
     self._wake_pump()
     return self._take((group, index))
 
@@ -154,6 +161,21 @@ class Fetcher:
         and not self._assigned(key)):
       self._pending.setdefault(key, None)
 
+  def _queue_inline(self, group: int, index: int, *, first: bool = False) -> None:
+    """Queues an element for the inline thread, after those queued, or (`first`) before
+    them: wanted now (caller holds the lock)."""
+    key = (group, index)
+    if first and key in self._inline_queue:
+      self._inline_queue.remove(key)
+    if key in self._done or self._assigned(key) or (
+        not first and index >= len(self._datasets[group])):
+      return
+    if first:
+      self._inline_queue.appendleft(key)
+    else:
+      self._inline_queue.append(key)
+    self._cond.notify_all()
+
   def _assigned(self, key: tuple[int, int]) -> bool:
     """Handed to a worker or to the inline thread (caller holds the lock)."""
     return (key == self._inline_key or key in self._inline_queue
@@ -174,8 +196,7 @@ class Fetcher:
           return value
         if not self._assigned(key):
           self._pending.pop(key, None)  # no worker has it: do it here rather than wait
-          self._inline_queue.append(key)
-          self._cond.notify_all()
+          self._queue_inline(*key, first=True)
         self._cond.wait(_POLL_S)
 
   def _check(self) -> None:
