@@ -20,7 +20,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-import resource
 import statistics
 import threading
 import time
@@ -46,10 +45,12 @@ JPEG_DRAFT_SAMPLES = 300
 
 
 class _RssSampler:
-  """Peak RSS of this process and each of its children, sampled in a thread."""
+  """Peak RSS of this process and each of its children, sampled in a thread: per run, where
+  `ru_maxrss` would carry an earlier run's peak into the next one of the same process."""
 
   def __init__(self, interval: float = 0.1):
     self._interval, self._stop = interval, threading.Event()
+    self.peak_self = psutil.Process().memory_info().rss
     self.peak_children: dict[int, int] = {}
     self._thread = threading.Thread(target=self._run, daemon=True)
     self._thread.start()
@@ -57,6 +58,7 @@ class _RssSampler:
   def _run(self):
     me = psutil.Process()
     while not self._stop.wait(self._interval):
+      self.peak_self = max(self.peak_self, me.memory_info().rss)
       for child in me.children(recursive=True):
         try:
           rss = child.memory_info().rss
@@ -148,6 +150,7 @@ def measure_pipeline(cfg: PipelineConfig, tokenizer, *, workers: int, batch_size
     shares["waiting_for_samples"] = 1.0 - sum(shares.values())
   finally:
     it.close()
+  del it  # the closed pipeline's buffers are not the restore's
   # Restore from the mid-run state (buffer and carried samples re-made by key).
   t0 = time.perf_counter()
   restored = iter(build_pipeline(cfg, tokenizer, batch_size=batch_size, workers=workers))
@@ -159,7 +162,7 @@ def measure_pipeline(cfg: PipelineConfig, tokenizer, *, workers: int, batch_size
     restored.close()
   log(f"restored from the mid-run state in {restore_s:.2f} s")
   sampler.stop()
-  main_peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+  main_peak = sampler.peak_self
   for worker in memory["workers"]:
     worker["peak_rss_bytes"] = sampler.peak_children.get(worker.pop("pid"), 0)
   per_row = lambda seconds: seconds / rows if rows else math.nan  # no row in the windows
