@@ -22,6 +22,7 @@ from bagel_grain.configs import load_shipped
 from bagel_grain.errors import StateMismatchError
 from bagel_grain.jax import checkpoint_manager, restore, save
 from bagel_grain.packing.shards import merge_states
+from bagel_grain.workers import fetcher
 from resume import take
 
 TOOLS = Path(__file__).resolve().parents[1] / "tools"
@@ -151,6 +152,23 @@ def test_lines_appended_to_a_jsonl_join_from_the_next_epoch(data, demo_tokenizer
   assert len(appended) == 6
   assert_each_epoch_exact(by_epoch(before) + by_epoch(after), originals,
                           {"vlm_sft": appended}, 2, {"vlm_sft": (1, 1)})
+
+
+def test_a_closed_stream_starts_no_fetcher_at_a_restore_over_records_appended(
+    data, demo_tokenizer):
+  """The rows rebuilt over the record sets would start a fetcher (its workers, its thread)
+  that nothing closes any more: refused, as a closed iterator's next() is."""
+  cfg = config(data, num_epochs=2)
+  with pipeline(cfg, demo_tokenizer) as it:
+    take(it, 3)
+    state, manifests = json.loads(json.dumps(it.get_state())), it.manifests()
+  append_lines(data, 6)
+  it = pipeline(cfg, demo_tokenizer)
+  it.close()
+  assert not fetcher.live()
+  with pytest.raises(ValueError, match="closed"):
+    it.set_state(state, allow_changes=True, saved_manifests=manifests)
+  assert not fetcher.live()
 
 
 def test_a_parquet_file_added_is_named_and_joins_across_a_resize(data, demo_tokenizer,

@@ -191,6 +191,7 @@ class BatchIterator(StageIterator):
         if self._rebuild is None or not isinstance(rows, ShardInterleaveIterator):
           raise StateMismatchError("this iterator cannot continue over records appended: "
                                    "build it with build_pipeline")
+        self._assert_not_closed()  # else the new rows' fetcher is one nothing closes
         dataset, resolved = self._rebuild(eras)
         rows = dataset.__iter__()
       try:
