@@ -9,6 +9,7 @@ import logging
 import shutil
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import hypothesis
@@ -169,6 +170,40 @@ def test_a_closed_stream_starts_no_fetcher_at_a_restore_over_records_appended(
   with pytest.raises(ValueError, match="closed"):
     it.set_state(state, allow_changes=True, saved_manifests=manifests)
   assert not fetcher.live()
+
+
+def test_a_state_taken_while_a_restore_rebuilds_the_rows_is_the_one_before_or_after(
+    data, demo_tokenizer):
+  """get_state from another thread reads the rows, their record sets and the position
+  together: a restore over records appended swapping them meanwhile (here, while the old
+  rows write their part) must not give the old position with the new record sets."""
+  cfg = config(data, num_epochs=2)
+  with pipeline(cfg, demo_tokenizer) as it:
+    take(it, 3)
+    state, manifests = json.loads(json.dumps(it.get_state())), it.manifests()
+  append_lines(data, 6)
+  with pipeline(cfg, demo_tokenizer) as it:
+    take(it, 1)
+    before, swapped, reading = it.get_state(), threading.Event(), threading.Event()
+    old_rows, state_of = it._rows, it._rows.state_of  # pylint: disable=protected-access
+
+    def slow_state_of(position):  # the reader's part of the old rows, finished after the swap
+      if threading.current_thread() is reader:
+        reading.set()
+        swapped.wait(60)
+      return state_of(position)
+
+    old_rows.state_of = slow_state_of
+    got = []
+    reader = threading.Thread(target=lambda: got.append(it.get_state()))
+    reader.start()
+    assert reading.wait(60)
+    it.set_state(state, allow_changes=True, saved_manifests=manifests)
+    swapped.set()
+    reader.join(60)
+    after = it.get_state()
+  assert after != before and after["version"] == 4
+  assert got[0] in (before, after)
 
 
 def test_a_parquet_file_added_is_named_and_joins_across_a_resize(data, demo_tokenizer,
