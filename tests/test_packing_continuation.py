@@ -206,6 +206,33 @@ def test_a_state_taken_while_a_restore_rebuilds_the_rows_is_the_one_before_or_af
   assert got[0] in (before, after)
 
 
+def test_a_restore_over_records_appended_whose_old_rows_fail_to_close_is_still_restored(
+    data, demo_tokenizer):
+  """The old rows are closed once the new ones hold the restored position: an error there
+  (a worker's pipe, say) is raised, and the stream is the one restored, not the new rows'
+  beginning (which would pack again what the state had packed)."""
+  cfg = config(data, num_epochs=2)
+  with pipeline(cfg, demo_tokenizer) as it:
+    take(it, 3)
+    state, manifests = json.loads(json.dumps(it.get_state())), it.manifests()
+  append_lines(data, 6)
+  with pipeline(cfg, demo_tokenizer) as it:
+    it.set_state(state, allow_changes=True, saved_manifests=manifests)
+    want = it.get_state()
+  with pipeline(cfg, demo_tokenizer) as it:
+    old_rows, close = it._rows, it._rows.close  # pylint: disable=protected-access
+
+    def failing_close():  # once: a later close (at garbage collection) is quiet
+      close()
+      old_rows.close = close
+      raise OSError("a worker's pipe broke")
+
+    old_rows.close = failing_close
+    with pytest.raises(OSError, match="pipe broke"):
+      it.set_state(state, allow_changes=True, saved_manifests=manifests)
+    assert it.get_state() == want
+
+
 def test_a_parquet_file_added_is_named_and_joins_across_a_resize(data, demo_tokenizer,
                                                                  tmp_path):
   """Saved by one process over 4 logical shards, restored by two through a checkpoint; the

@@ -210,12 +210,14 @@ class BatchIterator(StageIterator):
         eras = {name: era_keys.GroupEras(e.sets, {
             s: tuple(EraStart(epoch=n) for n in resolved[s][name]) for s in e.starts})
                 for name, e in eras.items()}
+      old = None
       with interrupts_held(), self._position_lock:
         if rows is not self._rows:
           old, self._rows, self._eras = self._rows, rows, eras
           self._parents = (rows,)
-          old.close()
         self._rows.restore(position)
+      if old is not None:  # once restored: an error closing it leaves the stream restored
+        old.close()
 
   def _eras_of(self, stages: Mapping[str, Any],
                saved_manifests: Mapping[str, Mapping[str, Manifest]] | None,
