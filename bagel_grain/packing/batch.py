@@ -124,7 +124,8 @@ class BatchIterator(StageIterator):
         with self._position_lock:
           self._in_flight = None
 
-  def _at(self) -> tuple[Any, era_keys.Plan, PackPosition | InterleavePosition]:
+  def _at(self) -> tuple[PackIterator | ShardInterleaveIterator, era_keys.Plan,
+                         PackPosition | InterleavePosition]:
     """(the rows, their record sets, the position of the last batch returned), read together:
     a consistent triple whatever runs meanwhile (a next(); a restore over records appended,
     which swaps the rows and sets)."""
