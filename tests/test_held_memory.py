@@ -15,6 +15,7 @@ class Holder:
 
 
 def test_live_holders_are_summed_by_kind_and_a_dead_one_no_longer_counts():
+  gc.collect()  # an earlier test's holders, dead in a cycle, would be collected mid-test
   before = held_memory.snapshot()
   a, b = Holder(1000), Holder(24)
   held_memory.register(a, held_memory.READ_AHEAD, lambda h: h.nbytes)
@@ -30,6 +31,7 @@ def test_live_holders_are_summed_by_kind_and_a_dead_one_no_longer_counts():
 
 
 def test_a_read_ahead_counts_what_it_holds():
+  gc.collect()  # as above
   ahead = ReadAhead(threads=1, max_bytes=1 << 20)
   base = held_memory.snapshot()[held_memory.READ_AHEAD] - ahead.held_bytes()
   try:

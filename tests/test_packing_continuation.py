@@ -9,6 +9,7 @@ import logging
 import shutil
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import hypothesis
@@ -22,6 +23,7 @@ from bagel_grain.configs import load_shipped
 from bagel_grain.errors import StateMismatchError
 from bagel_grain.jax import checkpoint_manager, restore, save
 from bagel_grain.packing.shards import merge_states
+from bagel_grain.workers import fetcher
 from resume import take
 
 TOOLS = Path(__file__).resolve().parents[1] / "tools"
@@ -151,6 +153,84 @@ def test_lines_appended_to_a_jsonl_join_from_the_next_epoch(data, demo_tokenizer
   assert len(appended) == 6
   assert_each_epoch_exact(by_epoch(before) + by_epoch(after), originals,
                           {"vlm_sft": appended}, 2, {"vlm_sft": (1, 1)})
+
+
+def test_a_closed_stream_starts_no_fetcher_at_a_restore_over_records_appended(
+    data, demo_tokenizer):
+  """The rows rebuilt over the record sets would start a fetcher (its workers, its thread)
+  that nothing closes any more: refused, as a closed iterator's next() is."""
+  cfg = config(data, num_epochs=2)
+  with pipeline(cfg, demo_tokenizer) as it:
+    take(it, 3)
+    state, manifests = json.loads(json.dumps(it.get_state())), it.manifests()
+  append_lines(data, 6)
+  it = pipeline(cfg, demo_tokenizer)
+  it.close()
+  assert not fetcher.live()
+  with pytest.raises(ValueError, match="closed"):
+    it.set_state(state, allow_changes=True, saved_manifests=manifests)
+  assert not fetcher.live()
+
+
+def test_a_state_taken_while_a_restore_rebuilds_the_rows_is_the_one_before_or_after(
+    data, demo_tokenizer):
+  """get_state from another thread reads the rows, their record sets and the position
+  together: a restore over records appended swapping them meanwhile (here, while the old
+  rows write their part) must not give the old position with the new record sets."""
+  cfg = config(data, num_epochs=2)
+  with pipeline(cfg, demo_tokenizer) as it:
+    take(it, 3)
+    state, manifests = json.loads(json.dumps(it.get_state())), it.manifests()
+  append_lines(data, 6)
+  with pipeline(cfg, demo_tokenizer) as it:
+    take(it, 1)
+    before, swapped, reading = it.get_state(), threading.Event(), threading.Event()
+    old_rows, state_of = it._rows, it._rows.state_of  # pylint: disable=protected-access
+
+    def slow_state_of(position):  # the reader's part of the old rows, finished after the swap
+      if threading.current_thread() is reader:
+        reading.set()
+        swapped.wait(60)
+      return state_of(position)
+
+    old_rows.state_of = slow_state_of
+    got = []
+    reader = threading.Thread(target=lambda: got.append(it.get_state()))
+    reader.start()
+    assert reading.wait(60)
+    it.set_state(state, allow_changes=True, saved_manifests=manifests)
+    swapped.set()
+    reader.join(60)
+    after = it.get_state()
+  assert after != before and after["version"] == 4
+  assert got[0] in (before, after)
+
+
+def test_a_restore_over_records_appended_whose_old_rows_fail_to_close_is_still_restored(
+    data, demo_tokenizer):
+  """The old rows are closed once the new ones hold the restored position: an error there
+  (a worker's pipe, say) is raised, and the stream is the one restored, not the new rows'
+  beginning (which would pack again what the state had packed)."""
+  cfg = config(data, num_epochs=2)
+  with pipeline(cfg, demo_tokenizer) as it:
+    take(it, 3)
+    state, manifests = json.loads(json.dumps(it.get_state())), it.manifests()
+  append_lines(data, 6)
+  with pipeline(cfg, demo_tokenizer) as it:
+    it.set_state(state, allow_changes=True, saved_manifests=manifests)
+    want = it.get_state()
+  with pipeline(cfg, demo_tokenizer) as it:
+    old_rows, close = it._rows, it._rows.close  # pylint: disable=protected-access
+
+    def failing_close():  # once: a later close (at garbage collection) is quiet
+      close()
+      old_rows.close = close
+      raise OSError("a worker's pipe broke")
+
+    old_rows.close = failing_close
+    with pytest.raises(OSError, match="pipe broke"):
+      it.set_state(state, allow_changes=True, saved_manifests=manifests)
+    assert it.get_state() == want
 
 
 def test_a_parquet_file_added_is_named_and_joins_across_a_resize(data, demo_tokenizer,

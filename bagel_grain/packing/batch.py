@@ -124,10 +124,14 @@ class BatchIterator(StageIterator):
         with self._position_lock:
           self._in_flight = None
 
-  def _position(self) -> PackPosition | InterleavePosition:
-    """The position of the last batch returned: a consistent one, whatever runs meanwhile."""
+  def _at(self) -> tuple[PackIterator | ShardInterleaveIterator, era_keys.Plan,
+                         PackPosition | InterleavePosition]:
+    """(the rows, their record sets, the position of the last batch returned), read together:
+    a consistent triple whatever runs meanwhile (a next(); a restore over records appended,
+    which swaps the rows and sets)."""
     with self._position_lock:
-      return self._rows.position() if self._in_flight is None else self._in_flight
+      position = self._rows.position() if self._in_flight is None else self._in_flight
+      return self._rows, self._eras, position
 
   def _next_batch(self) -> PackedBatch:
     buffer = self._buffers.take()  # dropped, not reused, if this raises before hand_out
@@ -158,11 +162,12 @@ class BatchIterator(StageIterator):
     return tuple((names[s.key.group], s.key.index, s.key.epoch, s.key.record) for s in members)
 
   def get_state(self) -> dict[str, Any]:
-    state = self._rows.state_of(self._position())
-    if self._eras:
+    rows, eras, position = self._at()
+    state = rows.state_of(position)
+    if eras:
       common, per_shard = era_keys.state_keys(
-          self._eras, {s: {name: [start.epoch for start in e.starts[s]]
-                           for name, e in self._eras.items()} for s in self._rows.shards})
+          eras, {s: {name: [start.epoch for start in e.starts[s]]
+                     for name, e in eras.items()} for s in rows.shards})
       state = {**state, era_keys.DATA_ERAS: common, "shards": {
           key: {**entry, era_keys.ERAS: per_shard[int(key)]}
           for key, entry in state["shards"].items()}}
@@ -191,6 +196,7 @@ class BatchIterator(StageIterator):
         if self._rebuild is None or not isinstance(rows, ShardInterleaveIterator):
           raise StateMismatchError("this iterator cannot continue over records appended: "
                                    "build it with build_pipeline")
+        self._assert_not_closed()  # else the new rows' fetcher is one nothing closes
         dataset, resolved = self._rebuild(eras)
         rows = dataset.__iter__()
       try:
@@ -205,12 +211,14 @@ class BatchIterator(StageIterator):
         eras = {name: era_keys.GroupEras(e.sets, {
             s: tuple(EraStart(epoch=n) for n in resolved[s][name]) for s in e.starts})
                 for name, e in eras.items()}
+      old = None
       with interrupts_held(), self._position_lock:
         if rows is not self._rows:
           old, self._rows, self._eras = self._rows, rows, eras
           self._parents = (rows,)
-          old.close()
         self._rows.restore(position)
+      if old is not None:  # once restored: an error closing it leaves the stream restored
+        old.close()
 
   def _eras_of(self, stages: Mapping[str, Any],
                saved_manifests: Mapping[str, Mapping[str, Manifest]] | None,
@@ -246,7 +254,8 @@ class BatchIterator(StageIterator):
 
   def stats(self) -> dict[str, Any]:
     """The packer's counters (drawn, packed, dropped by reason, epochs); see PackIterator."""
-    return self._rows.stats(self._position())
+    rows, _, position = self._at()
+    return rows.stats(position)
 
   def __str__(self) -> str:
     return f"BatchIterator(batch_size={self._batch_size})"

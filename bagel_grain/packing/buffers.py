@@ -35,9 +35,19 @@ from bagel_grain.packing.row import EMPTY, Capacities, Extent, empty_row
 # The pool keeps the buffers of the last few batches: one the caller still holds while
 # it asks for the next, one or two in a prefetch queue, and the one being written.
 KEEP = 3
-# References to a released buffer's array, as `released` counts: the buffer's dict, the
-# loop's name, getrefcount's argument.
-_RELEASED_REFS = 3
+# An array only a buffer's dict references, counted as `released` counts: its baseline.
+# Measured, not assumed (the dict, the loop's name, getrefcount's argument: 3 on CPython
+# 3.11), as interpreters differ in the references they take (3.14 borrows some, and
+# counts fewer): a held buffer must never look released.
+_PROBE = {"probe": np.empty(0)}
+
+
+def _most_refs(arrays) -> int:
+  """The largest reference count among `arrays`' values, as seen from this loop."""
+  most = 0
+  for array in arrays.values():
+    most = max(most, sys.getrefcount(array))
+  return most
 
 
 @dataclasses.dataclass(eq=False)
@@ -49,10 +59,7 @@ class BatchBuffer:
 
   def released(self) -> bool:
     """Whether nothing outside the pool references any of the arrays (or a view of one)."""
-    for array in self.arrays.values():
-      if sys.getrefcount(array) > _RELEASED_REFS:
-        return False
-    return True
+    return _most_refs(self.arrays) <= _most_refs(_PROBE)
 
   @property
   def nbytes(self) -> int:
