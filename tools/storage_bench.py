@@ -427,7 +427,8 @@ def main() -> None:
           ("index_bytes_per_unit", "index B/unit", ".1f"), ("index_build_s", "index build s",
                                                           ".1f")]))
     if not args.skip_throughput:
-      report["throughput"] = throughput(Path(tmp), args.bench_data, args.seconds,
+      bench_data = args.bench_data and args.bench_data.resolve()  # configs live in tmp
+      report["throughput"] = throughput(Path(tmp), bench_data, args.seconds,
                                         args.delays_ms, args.workers, args.rounds,
                                         args.gcs_delay_ms if args.gcs_delay_ms >= 0 else None,
                                         args.warmup_s)
