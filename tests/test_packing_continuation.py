@@ -69,6 +69,15 @@ def append_lines(data, n):
   path.write_bytes(b"".join(lines + lines[:n]))
 
 
+def saved_then_appended(cfg, data, tokenizer):
+  """A state (and its file lists) after 3 batches, then 6 lines appended to the JSONL."""
+  with pipeline(cfg, tokenizer) as it:
+    take(it, 3)
+    saved = json.loads(json.dumps(it.get_state())), it.manifests()
+  append_lines(data, 6)
+  return saved
+
+
 def by_epoch(batches):
   """(group, epoch, record) of every sample in `batches`, counted."""
   return collections.Counter((k[0], k[2], k[3]) for b in batches for row in b["sample_keys"]
@@ -105,19 +114,10 @@ def every_record(cfg, tokenizer):
   return dict(out)
 
 
-def append_lines(data, n):
-  path = data / "vlm" / "sft.jsonl"
-  lines = path.read_bytes().splitlines(keepends=True)
-  path.write_bytes(b"".join(lines + lines[:n]))
-
-
 def test_lines_appended_to_a_jsonl_need_the_saved_file_lists_and_allow_changes(
     data, demo_tokenizer):
   cfg = config(data)
-  with pipeline(cfg, demo_tokenizer) as it:
-    take(it, 3)
-    state, manifests = json.loads(json.dumps(it.get_state())), it.manifests()
-  append_lines(data, 6)
+  state, manifests = saved_then_appended(cfg, data, demo_tokenizer)
   with pipeline(cfg, demo_tokenizer) as it:
     for allow in (False, True):  # which lines are new takes the file lists a checkpoint keeps
       with pytest.raises(StateMismatchError,
@@ -160,10 +160,7 @@ def test_a_closed_stream_starts_no_fetcher_at_a_restore_over_records_appended(
   """The rows rebuilt over the record sets would start a fetcher (its workers, its thread)
   that nothing closes any more: refused, as a closed iterator's next() is."""
   cfg = config(data, num_epochs=2)
-  with pipeline(cfg, demo_tokenizer) as it:
-    take(it, 3)
-    state, manifests = json.loads(json.dumps(it.get_state())), it.manifests()
-  append_lines(data, 6)
+  state, manifests = saved_then_appended(cfg, data, demo_tokenizer)
   it = pipeline(cfg, demo_tokenizer)
   it.close()
   assert not fetcher.live()
@@ -178,10 +175,7 @@ def test_a_state_taken_while_a_restore_rebuilds_the_rows_is_the_one_before_or_af
   together: a restore over records appended swapping them meanwhile (here, while the old
   rows write their part) must not give the old position with the new record sets."""
   cfg = config(data, num_epochs=2)
-  with pipeline(cfg, demo_tokenizer) as it:
-    take(it, 3)
-    state, manifests = json.loads(json.dumps(it.get_state())), it.manifests()
-  append_lines(data, 6)
+  state, manifests = saved_then_appended(cfg, data, demo_tokenizer)
   with pipeline(cfg, demo_tokenizer) as it:
     take(it, 1)
     before, swapped, reading = it.get_state(), threading.Event(), threading.Event()
@@ -212,10 +206,7 @@ def test_a_restore_over_records_appended_whose_old_rows_fail_to_close_is_still_r
   (a worker's pipe, say) is raised, and the stream is the one restored, not the new rows'
   beginning (which would pack again what the state had packed)."""
   cfg = config(data, num_epochs=2)
-  with pipeline(cfg, demo_tokenizer) as it:
-    take(it, 3)
-    state, manifests = json.loads(json.dumps(it.get_state())), it.manifests()
-  append_lines(data, 6)
+  state, manifests = saved_then_appended(cfg, data, demo_tokenizer)
   with pipeline(cfg, demo_tokenizer) as it:
     it.set_state(state, allow_changes=True, saved_manifests=manifests)
     want = it.get_state()
@@ -272,10 +263,7 @@ def test_a_stream_with_records_appended_saves_and_restores_through_a_checkpoint(
   record set's files (data_eras.json): a later restore continues exactly; a bare state
   without them is refused, saying what to pass."""
   cfg = config(data, num_epochs=2)
-  with pipeline(cfg, demo_tokenizer) as it:
-    take(it, 3)
-    state, manifests = json.loads(json.dumps(it.get_state())), it.manifests()
-  append_lines(data, 6)
+  state, manifests = saved_then_appended(cfg, data, demo_tokenizer)
   manager = checkpoint_manager(str(tmp_path / "checkpoints"))
   with pipeline(cfg, demo_tokenizer) as it:
     it.set_state(state, allow_changes=True, saved_manifests=manifests)
@@ -304,10 +292,7 @@ def test_a_stream_with_records_appended_saves_and_restores_through_a_checkpoint(
 def test_a_malformed_record_set_schedule_is_named_and_changes_nothing(data, demo_tokenizer,
                                                                       damage, named):
   cfg = config(data, num_epochs=2)
-  with pipeline(cfg, demo_tokenizer) as it:
-    take(it, 3)
-    state, manifests = json.loads(json.dumps(it.get_state())), it.manifests()
-  append_lines(data, 6)
+  state, manifests = saved_then_appended(cfg, data, demo_tokenizer)
   with pipeline(cfg, demo_tokenizer) as it:
     it.set_state(state, allow_changes=True, saved_manifests=manifests)
     saved, eras = json.loads(json.dumps(it.get_state())), it.era_manifests()
