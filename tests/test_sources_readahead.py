@@ -53,11 +53,21 @@ def _read_ahead_threads():
   return [t for t in threading.enumerate() if t.name.startswith(THREAD_PREFIX)]
 
 
+def _left_running(before, wait_s=30):
+  """Read-ahead threads started since `before` still alive after `wait_s` (threads of an
+  earlier test in this process are not this test's to count)."""
+  started = [t for t in _read_ahead_threads() if t not in before]
+  for thread in started:
+    thread.join(wait_s)
+  return [t for t in started if t.is_alive()]
+
+
 def test_upcoming_records_are_read_concurrently_and_each_read_once():
   # Records 1-4 pass only when four reads are in flight at once: a consumer reading
   # them one by one would break the barrier.
   barrier = threading.Barrier(4, timeout=30)
   records = CountingRecords(12, wait=lambda i: barrier.wait() if 1 <= i <= 4 else None)
+  before = _read_ahead_threads()
   ahead = ReadAhead(threads=4)
   ra = ReadAheadRecords(records, files_of=_no_files, read_file=None, ahead=ahead, depth=4)
   try:
@@ -65,7 +75,7 @@ def test_upcoming_records_are_read_concurrently_and_each_read_once():
   finally:
     ahead.close()
   assert records.reads == {i: 1 for i in range(12)}  # the consumer took what was read ahead
-  assert not _read_ahead_threads()
+  assert not _left_running(before)
 
 
 def test_a_failed_read_ahead_is_read_again_by_the_consumer():
@@ -283,14 +293,15 @@ def test_a_row_group_is_read_once_however_many_threads_want_its_rows(tmp_path):
 
 
 def test_the_pipeline_stops_its_read_ahead_threads_when_closed(demo_config, demo_tokenizer):
+  before = _read_ahead_threads()
   it = iter(build_pipeline(demo_config, demo_tokenizer, batch_size=2, workers=0))
   try:
     for _ in range(3):
       next(it)
-    assert _read_ahead_threads()
+    assert [t for t in _read_ahead_threads() if t not in before]
   finally:
     it.close()
-  assert not _read_ahead_threads()
+  assert not _left_running(before)
 
 
 def test_close_does_not_wait_forever_on_a_stalled_read(monkeypatch):
