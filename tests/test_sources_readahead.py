@@ -56,10 +56,12 @@ def _read_ahead_threads():
 def _left_running(before, wait_s=30):
   """Read-ahead threads started since `before` still alive after `wait_s` (threads of an
   earlier test in this process are not this test's to count)."""
-  started = [t for t in _read_ahead_threads() if t not in before]
-  for thread in started:
-    thread.join(wait_s)
-  return [t for t in started if t.is_alive()]
+  until = time.monotonic() + wait_s
+  while True:  # polled: a thread just starting cannot be joined yet
+    running = [t for t in _read_ahead_threads() if t not in before and t.is_alive()]
+    if not running or time.monotonic() > until:
+      return running
+    time.sleep(0.01)
 
 
 def test_upcoming_records_are_read_concurrently_and_each_read_once():
