@@ -315,15 +315,14 @@ def test_close_does_not_wait_forever_on_a_stalled_read(monkeypatch):
     release.wait(60)
     return b"late", 4
 
+  before = _read_ahead_threads()
   ahead = ReadAhead(threads=1)
   ahead.start("stalled", stalled)
   assert started.wait(30)
   ahead.close()  # returns although the read is still in flight
   assert not release.is_set()
   release.set()
-  for thread in _read_ahead_threads():
-    thread.join(30)
-  assert not _read_ahead_threads()
+  assert not _left_running(before)
 
 
 def test_a_file_two_records_name_is_read_once_and_served_to_each(tmp_path):
