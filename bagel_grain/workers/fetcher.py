@@ -231,10 +231,11 @@ class Fetcher:
       with self._cond:
         while not self._inline_queue and not self._closed:
           self._cond.wait()
-        if self._closed:
-          return
-        key = self._inline_queue.popleft()
+        key = None if self._closed else self._inline_queue.popleft()
         self._inline_key, self._inline_since = key, time.monotonic()
+      if key is None:  # an element computed ahead may have read ahead after `close` stopped it
+        close_read_ahead(self._datasets)
+        return
       cpu_s = time.thread_time()
       with storage.element_scope() as spent:
         try:
