@@ -3,8 +3,8 @@
 The holders (each group's read-ahead, each parquet row-group cache) register here
 when they are made, or made again from a pickle in a worker; `snapshot()` adds up
 what the live ones hold now, with the process's RSS. A worker sends its snapshot
-with each element (`workers.process`), so the main process knows its workers'
-figures as of their last element. Cheap: a few objects, no copies.
+with each element (`workers.process`; taken at most once a second), so the main process
+knows its workers' figures as of about their last element.
 """
 
 from __future__ import annotations

@@ -40,6 +40,18 @@ class WorkerError(BagelGrainError):
   """A worker process died, failed or stalled: the stream cannot continue."""
 
 
+_HELD_EVERY_S = 1.0  # a report's figure, not worth a /proc read per element
+_held: tuple[float, dict[str, int]] = (-_HELD_EVERY_S, {})
+
+
+def _held_memory() -> dict[str, int]:
+  """`held_memory.snapshot()`, taken again at most once a second."""
+  global _held  # pylint: disable=global-statement
+  if time.monotonic() - _held[0] >= _HELD_EVERY_S:
+    _held = (time.monotonic(), held_memory.snapshot())
+  return _held[1]
+
+
 def send(conn: Connection, status: str, job: tuple[int, int], value: Any,
          spent: storage.ElementStorage) -> None:
   """Pickle protocol 5 with the arrays' buffers sent out of band: no copy into the pickle.
@@ -47,10 +59,10 @@ def send(conn: Connection, status: str, job: tuple[int, int], value: Any,
   `status` is "ok" (value: the element), "retry" (value: the StorageUnavailableError
   that a later attempt may not meet) or "error" (value: a traceback, the stream stops);
   `spent` is what storage cost computing it. The header also carries what the worker
-  holds now (`held_memory.snapshot()`), for reports."""
+  holds (`held_memory.snapshot()`, at most a second old), for reports."""
   buffers: list[pickle.PickleBuffer] = []
   payload = pickle.dumps(value, protocol=5, buffer_callback=buffers.append)
-  conn.send((status, job, len(buffers), spent.retries, spent.wait_s, held_memory.snapshot()))
+  conn.send((status, job, len(buffers), spent.retries, spent.wait_s, _held_memory()))
   conn.send_bytes(payload)
   for buffer in buffers:
     conn.send_bytes(buffer.raw())
