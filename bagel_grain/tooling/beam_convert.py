@@ -83,7 +83,8 @@ def run_convert(config_path: str | os.PathLike, out_dir: str | os.PathLike, runn
                 writer_options: str = convert.DEFAULT_WRITER_OPTIONS, overwrite: bool = False,
                 num_threads: int = 16, fail_first: str | None = None) -> convert.Conversion:
   """Converts the config's data on the runner; writes `dataset_info.yaml` and `config.yaml`
-  from here once every shard is written (the same files as `convert_config_file`)."""
+  from here once every shard is written (the same files as `convert_config_file`). Shards
+  a killed run finished are kept (`convert.write_shard` verifies them on the workers)."""
   config_path = convert.config_path_of(config_path)
   cfg = load_config(config_path)
   out_dir = convert.output_dir(out_dir)
@@ -96,5 +97,4 @@ def run_convert(config_path: str | os.PathLike, out_dir: str | os.PathLike, runn
                | "spread" >> beam.Reshuffle()
                | "write shards" >> beam.ParDo(body))
     del written
-  return convert.write_converted_config(config_path,
-                                        convert.write_dataset_info(cfg, out_dir, tasks))
+  return convert.finish(cfg, out_dir, tasks, config_path)

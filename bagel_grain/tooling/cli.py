@@ -192,7 +192,9 @@ def _convert(args) -> int:
     done = convert_config_file(args.config, args.out, records_per_shard=args.records_per_shard,
                                overwrite=args.overwrite, num_threads=args.threads)
   for d in done.datasets:
-    print(f"{d.group}/{d.name}: {d.num_records} records in {len(d.files)} ArrayRecord files")
+    print(f"{d.group}/{d.name}: {d.num_records} records in {len(d.files)} ArrayRecord files"
+          + (f"; {d.skipped} lines longer than the text bound not converted" if d.skipped
+             else ""))
   print(f"wrote {done.dataset_info}\nuse it with: --config {done.config}")
   print(f"converted in {time.perf_counter() - start:.1f} s")
   return 0
@@ -360,7 +362,9 @@ def build_parser() -> argparse.ArgumentParser:
                  help="the output folder; gets dataset_info.yaml and config.yaml")
   p.add_argument("--records-per-shard", type=_at_least(1), default=4096,
                  help="records per ArrayRecord file")
-  p.add_argument("--overwrite", action="store_true", help="replace existing output files")
+  p.add_argument("--overwrite", action="store_true",
+                 help="delete every shard in the output and write all again (without it, the "
+                 "same command after a kill resumes: complete shards are verified and kept)")
   p.add_argument("--threads", type=_at_least(1), default=16,
                  help="reader threads (per worker with --runner)")
   _add_runner_options(p)
