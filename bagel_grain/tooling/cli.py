@@ -224,9 +224,14 @@ def _audit(args) -> int:
                                     seed=args.seed)
     report = audit.build_report(cfg, merged, sample=args.sample,
                                 epoch_sizes=audit.epoch_sizes(cfg, args.seed))
-  paths = audit.write_report(report, out)
   print(audit.summary(report))
-  print(f"wrote {paths[0]} and {paths[1]} in {time.perf_counter() - start:.1f} s")
+  config_name = args.config or f"the shipped {args.shipped} config on {args.data}"
+  json_path, png_path = audit.write_report(report, out, config_name)
+  if png_path is None:
+    from bagel_grain.tooling.audit_plot import HOW_TO_GET_IT
+    print(HOW_TO_GET_IT)
+  print(f"wrote {json_path}{' and ' + png_path if png_path else ''} in "
+        f"{time.perf_counter() - start:.1f} s")
   return 0
 
 
