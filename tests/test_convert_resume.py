@@ -32,7 +32,7 @@ def shard_stats(root: Path) -> dict[str, tuple[int, int]]:
 
 
 def partials(root: Path) -> list[Path]:
-  return [p for p in root.rglob("*") if convert.PARTIAL in p.name]
+  return [p for p in root.rglob("*") if ".partial-" in p.name]
 
 
 def run(config, out, **kwargs):
