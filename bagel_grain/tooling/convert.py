@@ -27,7 +27,7 @@ import shutil
 import sys
 import tempfile
 import uuid
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 import pyarrow as pa
@@ -86,56 +86,51 @@ class ShardTask:
   start: int
   stop: int
   path: str
-  skip: tuple[int, ...] = ()  # positions in [start, stop) not converted (`oversized_lines`)
-
-  @property
-  def num_records(self) -> int:
-    """The records the shard holds once written."""
-    return self.stop - self.start - len(self.skip)
+  max_line_bytes: int | None = None  # a longer JSONL line is not converted (`text_bound`)
 
 
 def plan_dataset(cfg: PipelineConfig, group: int, dataset: int, out_dir: str,
                  records_per_shard: int, max_line_bytes: int | None = None) -> list[ShardTask]:
-  """The shards of one dataset: `records_per_shard` records each, in source order. A JSONL
-  line longer than `max_line_bytes` (see `text_bound`) is planned out: it is not converted."""
+  """The shards of one dataset: `records_per_shard` records each, in source order (JSONL
+  lines longer than `max_line_bytes` left out when written, see `skipped`)."""
   g, d = cfg.groups[group], cfg.groups[group].datasets[dataset]
   if d.array_record_path is not None:
     raise DatasetError("the dataset is already ArrayRecord; nothing to convert",
                        file=d.array_record_path, field="array_record_path")
   if records_per_shard < 1:
     raise ValueError(f"records_per_shard must be >= 1, got {records_per_shard}")
-  source = g.family.source(g, d)
-  total = len(source)
+  total = len(g.family.source(g, d))
   if total == 0:
     raise DatasetError(f"dataset {d.name!r} of group {g.name!r} has no records",
                        file=d.jsonl_path or d.data_dir)
-  oversized = _oversized_lines(source, max_line_bytes)
   num_shards = -(-total // records_per_shard)
   stem = _file_name(d.name)
-  tasks = []
-  for shard in range(num_shards):
-    start, stop = shard * records_per_shard, min((shard + 1) * records_per_shard, total)
-    skip = tuple(int(i) for i in oversized[(oversized >= start) & (oversized < stop)])
-    tasks.append(ShardTask(group, dataset, shard, start, stop,
-                           fs.join(out_dir, f"{stem}-{shard:05d}-of-{num_shards:05d}{SUFFIX}"),
-                           skip))
-  return tasks
+  return [ShardTask(group, dataset, shard, shard * records_per_shard,
+                    min((shard + 1) * records_per_shard, total),
+                    fs.join(out_dir, f"{stem}-{shard:05d}-of-{num_shards:05d}{SUFFIX}"),
+                    max_line_bytes)
+          for shard in range(num_shards)]
 
 
-def text_bound(cfg: PipelineConfig) -> int:
+def text_bound(cfg: PipelineConfig) -> int | None:
   """The most characters of text a sample can hold (the loader's `text_too_long` bound):
-  a JSONL line longer than that in bytes is one no sample of the loader's can read whole."""
+  a JSONL line longer than that in bytes is one no sample of the loader's can read whole.
+  None without a tokenizer."""
   from bagel_grain.tokenizer import load_tokenizer  # pylint: disable=import-outside-toplevel
+  if cfg.tokenizer_path is None:
+    return None
   return cfg.max_num_tokens_per_sample * load_tokenizer(cfg.tokenizer_path).longest_token_chars
 
 
-def _oversized_lines(source: RecordSource, max_line_bytes: int | None) -> np.ndarray:
-  """Positions of the JSONL lines longer than `max_line_bytes`, from the line index: none
-  is read (a line of a gigabyte is never loaded to be copied)."""
+def skipped(task: ShardTask, source: RecordSource, first: int) -> frozenset[int]:
+  """The source indices of the task's JSONL lines longer than its `max_line_bytes`: not
+  converted. Decided from the line index, so such a line is never read (one of a
+  gigabyte is not loaded to be copied)."""
   lengths = getattr(source, "line_lengths", None)
-  if max_line_bytes is None or lengths is None:
-    return np.zeros(0, np.int64)
-  return np.flatnonzero(lengths() > max_line_bytes)
+  if task.max_line_bytes is None or lengths is None:
+    return frozenset()
+  span = lengths()[first:first + task.stop - task.start]
+  return frozenset(first + int(i) for i in np.flatnonzero(span > task.max_line_bytes))
 
 
 def shard_source(cfg: PipelineConfig, task: ShardTask) -> tuple[RecordSource, int]:
@@ -200,8 +195,8 @@ def write_shard(cfg: PipelineConfig, task: ShardTask, source: RecordSource, firs
   d = g.datasets[task.dataset]
   if shard_is_complete(task, source, first, d, writer_options):
     if progress is not None:
-      progress(task.num_records)
-    return task.num_records  # written by an earlier run of this plan, killed later
+      progress(task.stop - task.start)
+    return task.stop - task.start - len(skipped(task, source, first))  # an earlier run's
   staging = (tempfile.mkdtemp(prefix="bagel-grain-shard-") if fs.is_uri(task.path) else None)
   local = (os.path.join(staging, os.path.basename(task.path)) if staging
            else f"{task.path}{PARTIAL}{uuid.uuid4().hex}")  # not `*.array_record` until whole
@@ -209,7 +204,7 @@ def write_shard(cfg: PipelineConfig, task: ShardTask, source: RecordSource, firs
   try:
     writer = array_record_module.ArrayRecordWriter(local, writer_options)
     try:
-      skip = frozenset(first + i - task.start for i in task.skip)
+      skip = skipped(task, source, first)
       for record in _framed_records(g, d, source, first, first + task.stop - task.start, pool,
                                     cfg.max_video_bytes, skip):
         writer.write(record)
@@ -239,9 +234,9 @@ def shard_is_complete(task: ShardTask, source: RecordSource, first: int, dataset
   the planned one (its `origin`), in order. A shard in a bucket is written again."""
   if fs.is_uri(task.path) or not os.path.isfile(task.path):
     return False
-  skip, roots = frozenset(task.skip), dataset_roots(dataset)
-  expected = [origin(source, first + i - task.start, dataset.name, roots)
-              for i in range(task.start, task.stop) if i not in skip]
+  skip, roots = skipped(task, source, first), dataset_roots(dataset)
+  expected = [origin(source, i, dataset.name, roots)
+              for i in range(first, first + task.stop - task.start) if i not in skip]
   try:
     reader = array_record_module.ArrayRecordReader(task.path)
   except (RuntimeError, ValueError, OSError):
@@ -332,19 +327,21 @@ def _delete(path: str) -> None:
 
 
 def finish(cfg: PipelineConfig, out_dir: str, tasks: Sequence[ShardTask],
-           config_path: str | None) -> Conversion:
-  """Once every shard is written: removes what killed attempts left (partial files), then
-  writes `dataset_info.yaml` and, last, `config.yaml` (with `config_path`)."""
+           written: Mapping[str, int], config_path: str | None) -> Conversion:
+  """Once every shard is written (`written`: records per shard path): removes what killed
+  attempts left (partial files), then writes `dataset_info.yaml` and, last, `config.yaml`
+  (with `config_path`)."""
   for folder in sorted({os.path.dirname(t.path) for t in tasks}):
     for path in partial_files(folder):
       os.remove(path)
-  done = write_dataset_info(cfg, out_dir, tasks)
+  done = write_dataset_info(cfg, out_dir, tasks, written)
   return done if config_path is None else write_converted_config(config_path, done)
 
 
-def write_dataset_info(cfg: PipelineConfig, out_dir: str,
-                       tasks: Sequence[ShardTask]) -> Conversion:
-  """Writes `out_dir/dataset_info.yaml` for the shards of `tasks` (all written): paths
+def write_dataset_info(cfg: PipelineConfig, out_dir: str, tasks: Sequence[ShardTask],
+                       written: Mapping[str, int]) -> Conversion:
+  """Writes `out_dir/dataset_info.yaml` for the shards of `tasks` (`written`: the records
+  each holds): paths
   relative to it, and each dataset's record count, which the loader checks against
   its files."""
   info: dict[str, dict[str, Any]] = {}
@@ -352,15 +349,15 @@ def write_dataset_info(cfg: PipelineConfig, out_dir: str,
   for gi, g in enumerate(cfg.groups):
     for di, d in enumerate(g.datasets):
       mine = [t for t in tasks if (t.group, t.dataset) == (gi, di)]
-      total = sum(t.num_records for t in mine)
-      skipped = sum(len(t.skip) for t in mine)
+      total = sum(written[t.path] for t in mine)
+      left_out = sum(t.stop - t.start for t in mine) - total
       relative = f"{_file_name(g.name)}/{_file_name(d.name)}"
       info.setdefault(g.name, {})[d.name] = {
           "data_dir": relative, "array_record_path": relative, "num_total_samples": total}
       converted.append(ConvertedDataset(g.name, d.name, total, tuple(t.path for t in mine),
-                                        skipped))
-      if skipped:
-        notes.append(f"# {g.name}/{d.name}: {skipped} lines longer than the text bound not "
+                                        left_out))
+      if left_out:
+        notes.append(f"# {g.name}/{d.name}: {left_out} lines longer than the text bound not "
                      "converted\n")
   info_path = fs.join(out_dir, "dataset_info.yaml")
   header = ("# Written by `bagel-grain convert`: the datasets as ArrayRecord files. They hold\n"
@@ -395,6 +392,7 @@ def convert_config(cfg: PipelineConfig, out_dir: str | os.PathLike, *,
   """
   out_dir = output_dir(out_dir)
   tasks = plan_config(cfg, out_dir, records_per_shard=records_per_shard, overwrite=overwrite)
+  written: dict[str, int] = {}
   with concurrent.futures.ThreadPoolExecutor(num_threads) as pool:
     for gi, g in enumerate(cfg.groups):
       for di, d in enumerate(g.datasets):
@@ -403,12 +401,12 @@ def convert_config(cfg: PipelineConfig, out_dir: str | os.PathLike, *,
         try:
           source = g.family.source(g, d)
           for task in mine:
-            write_shard(cfg, task, source, task.start, writer_options=writer_options, pool=pool,
-                        progress=bar)
+            written[task.path] = write_shard(cfg, task, source, task.start, pool=pool,
+                                             writer_options=writer_options, progress=bar)
         finally:
           if bar is not None:
             bar.close()
-  return finish(cfg, out_dir, tasks, config_path)
+  return finish(cfg, out_dir, tasks, written, config_path)
 
 
 class _Progress:
