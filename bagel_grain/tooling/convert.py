@@ -2,8 +2,14 @@
 
 `bagel-grain convert --config X.yaml --out DIR` writes, for every dataset of every
 group, `DIR/<group>/<dataset>/<dataset>-NNNNN-of-MMMMM.array_record`, then
-`DIR/dataset_info.yaml` pointing at them and `DIR/config.yaml`: the same config
-(same `grouped_datasets`) reading the converted data.
+`DIR/dataset_info.yaml` pointing at them and, last, `DIR/config.yaml`: the same config
+(same `grouped_datasets`, inline) reading the converted data. `DIR` names no file of
+the source: a record's `origin` is its id under its dataset's root, so the same data
+converted from two folders gives the same bytes.
+
+The same command after a kill resumes: the config files were deleted before any shard
+was touched, partial files are deleted, and each shard already there is kept when it
+verifies against the plan (`shard_is_complete`), else written again.
 
 What is converted is what the group reads: `num_used_data` (parquet files repeated,
 JSONL lines cut) and `shuffle_lines` are applied here, in the source's order, and
@@ -205,6 +211,8 @@ def write_shard(cfg: PipelineConfig, task: ShardTask, source: RecordSource, firs
     writer = array_record_module.ArrayRecordWriter(local, writer_options)
     try:
       skip = skipped(task, source, first)
+      if progress is not None and skip:
+        progress(len(skip))  # passed over
       for record in _framed_records(g, d, source, first, first + task.stop - task.start, pool,
                                     cfg.max_video_bytes, skip):
         writer.write(record)
@@ -300,7 +308,7 @@ def prepare_output(out_dir: str, tasks: Sequence[ShardTask], overwrite: bool) ->
   to keep (resume) once it has verified them.
   """
   planned = {t.path for t in tasks}
-  folders = sorted({t.path[:-len(os.path.basename(t.path)) - 1] for t in tasks})
+  folders = sorted({fs.dirname(t.path) for t in tasks})
   existing = [p for f in folders if fs.is_dir(f) for p in fs.list_files(f, SUFFIX)]
   strangers = [p for p in existing if p not in planned]
   if strangers and not overwrite:
@@ -331,7 +339,7 @@ def finish(cfg: PipelineConfig, out_dir: str, tasks: Sequence[ShardTask],
   """Once every shard is written (`written`: records per shard path): removes what killed
   attempts left (partial files), then writes `dataset_info.yaml` and, last, `config.yaml`
   (with `config_path`)."""
-  for folder in sorted({os.path.dirname(t.path) for t in tasks}):
+  for folder in sorted({fs.dirname(t.path) for t in tasks}):
     for path in partial_files(folder):
       os.remove(path)
   done = write_dataset_info(cfg, out_dir, tasks, written)
@@ -341,9 +349,8 @@ def finish(cfg: PipelineConfig, out_dir: str, tasks: Sequence[ShardTask],
 def write_dataset_info(cfg: PipelineConfig, out_dir: str, tasks: Sequence[ShardTask],
                        written: Mapping[str, int]) -> Conversion:
   """Writes `out_dir/dataset_info.yaml` for the shards of `tasks` (`written`: the records
-  each holds): paths
-  relative to it, and each dataset's record count, which the loader checks against
-  its files."""
+  each holds): paths relative to it, and each dataset's record count, which the loader
+  checks against its files."""
   info: dict[str, dict[str, Any]] = {}
   converted, notes = [], []
   for gi, g in enumerate(cfg.groups):
