@@ -140,3 +140,13 @@ def test_a_huge_record_is_read_ahead_alone(tmp_path):
     gate.set()
     ahead.close()
     readahead.set_share(old_share)
+
+
+@pytest.mark.parametrize("tail", [b"", b"\xff" * 64, bytes(range(256)) * 4])
+def test_a_footer_it_cannot_read_gives_no_sizes(tmp_path, tail):
+  from bagel_grain.sources.array_record_sizes import BLOCK, record_sizes
+  path = tmp_path / "f.array_record"
+  path.write_bytes(b"\x00" * (2 * BLOCK - len(tail)) + tail)  # no postscript where it belongs
+  assert record_sizes(str(path), 3) is None
+  path.write_bytes(b"\x00" * 100)  # shorter than a block
+  assert record_sizes(str(path), 3) is None
