@@ -202,3 +202,23 @@ def test_a_line_over_the_text_bound_is_not_converted_and_is_counted(demo_dir, tm
   assert [source[i].line for i in range(len(source))] == lines  # all but the long one
   assert "1 lines longer than the text bound" in (tmp_path / "out" / "dataset_info.yaml"
                                                  ).read_text()
+
+
+def test_shards_in_a_bucket_are_verified_and_kept(clean, monkeypatch):
+  from object_store import LocalObjectStore  # the tests' local S3 server
+  from bagel_grain import fs
+  config, expected = clean
+  with LocalObjectStore("s3") as store:
+    for name, value in store.environment().items():
+      monkeypatch.setenv(name, value)
+    out = store.uri("converted")
+    run(config, out)
+    damaged = f"{out}/unified_edit/demo_edit/demo_edit-00001-of-00002.array_record"
+    fs.write_bytes(damaged, fs.read_bytes(damaged)[:-5000])  # cut short
+    uploads = []
+    real = fs.open_output
+    monkeypatch.setattr(fs, "open_output", lambda p: uploads.append(p) or real(p))
+    run(config, out)  # the same command: the damaged shard only is written again
+    assert uploads == [damaged]
+    for name, data in expected.items():
+      assert fs.read_bytes(f"{out}/{name}") == data, name

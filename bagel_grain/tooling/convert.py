@@ -239,14 +239,31 @@ def shard_is_complete(task: ShardTask, source: RecordSource, first: int, dataset
   """Whether the task's file holds exactly what the plan says, so a resumed run keeps it:
   it opens (its footer is whole), was written with `writer_options`, holds the planned
   number of records, and each record, read through ArrayRecord's chunk checksums, is
-  the planned one (its `origin`), in order. A shard in a bucket is written again."""
-  if fs.is_uri(task.path) or not os.path.isfile(task.path):
+  the planned one (its `origin`), in order. A shard in a bucket is downloaded to be read
+  (ArrayRecord reads local files only): cheaper than writing it again."""
+  if not fs.exists(task.path) or fs.is_dir(task.path):
     return False
   skip, roots = skipped(task, source, first), dataset_roots(dataset)
   expected = [origin(source, i, dataset.name, roots)
               for i in range(first, first + task.stop - task.start) if i not in skip]
+  if not fs.is_uri(task.path):
+    return _holds(task.path, expected, writer_options)
+  staging = tempfile.mkdtemp(prefix="bagel-grain-shard-")
   try:
-    reader = array_record_module.ArrayRecordReader(task.path)
+    local = os.path.join(staging, os.path.basename(task.path))
+    filesystem, name = fs.filesystem(task.path)
+    with filesystem.open_input_stream(name) as f, open(local, "wb") as out:
+      shutil.copyfileobj(f, out, 8 << 20)
+    return _holds(local, expected, writer_options)
+  finally:
+    shutil.rmtree(staging, ignore_errors=True)
+
+
+def _holds(path: str, expected: Sequence[str], writer_options: str) -> bool:
+  """Whether the local ArrayRecord file holds records of exactly these origins, in order,
+  written with `writer_options`."""
+  try:
+    reader = array_record_module.ArrayRecordReader(path)
   except (RuntimeError, ValueError, OSError):
     return False
   try:
@@ -255,7 +272,7 @@ def shard_is_complete(task: ShardTask, source: RecordSource, first: int, dataset
       return False
     for begin in range(0, len(expected), _CHUNK):
       records = reader.read(begin, min(begin + _CHUNK, len(expected)))
-      if [framing.origin(r) for r in records] != expected[begin:begin + len(records)]:
+      if [framing.origin(r) for r in records] != list(expected[begin:begin + len(records)]):
         return False
     return True
   except (RuntimeError, ValueError, OSError):  # FramingError is a ValueError
