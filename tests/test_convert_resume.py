@@ -222,3 +222,15 @@ def test_shards_in_a_bucket_are_verified_and_kept(clean, monkeypatch):
     assert uploads == [damaged]
     for name, data in expected.items():
       assert fs.read_bytes(f"{out}/{name}") == data, name
+
+
+def test_the_checked_count_leaves_the_fingerprints_of_old_states_as_they_were(clean,
+                                                                              tmp_path):
+  from bagel_grain import pipeline
+  config, _ = clean
+  cfg = load_config(run(config, tmp_path / "out").config)
+  assert cfg.group("vlm_sft").datasets[0].num_records == 50
+  for g in cfg.groups:  # states of versions 1 and 2 hashed each dataset's fields as they were
+    assert all(set(d) == {"name", "data_dir", "jsonl_path", "parquet_info_path",
+                          "num_used_data", "array_record_path"}
+               for d in pipeline._group_fields(g)["datasets"])  # pylint: disable=protected-access
