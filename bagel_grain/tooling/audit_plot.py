@@ -143,8 +143,11 @@ def _parts(ax, name: str, group: dict[str, Any]) -> None:
     zeros = _hist(ax, dist, label, colour, step=True)
     if count and zeros == count:
       ax.plot([], [], color=colour, label=f"{label}: all {count} are 0")
-  _log_axis(ax, *[tokens[k] for k, _, _ in _KINDS])
-  ax.legend(fontsize=8)
+  if not tokens["packed"].get("count"):
+    ax.text(0.5, 0.5, "no packable sample", ha="center", va="center", transform=ax.transAxes)
+  else:
+    _log_axis(ax, *[tokens[k] for k, _, _ in _KINDS])
+    ax.legend(fontsize=8)
   ax.set_title(f"{name}: text, ViT and VAE tokens per sample")
   ax.set_xlabel("tokens (log scale)")
   ax.set_ylabel("samples")
