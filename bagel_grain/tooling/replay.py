@@ -2,8 +2,9 @@
 
 The stream is a pure function of (config, tokenizer, seed, process index, process
 count), and a checkpoint written by `bagel_grain.jax.save` holds its position at a
-step: restore the nearest saved step at or before N for each process, pack forward
-(N - saved) batches, and the next batch is the one the trainer took at step N. The
+step: restore the nearest saved step at or before N for each process (before the
+first, the stream's start), pack forward (N - saved) batches, and the next batch is
+the one the trainer took at step N. The
 process count and rows per batch are those of the run that trained from that
 checkpoint on (the next checkpoint's, else its own); a config that is not the
 checkpoint's stream is refused by `set_state`, naming the fields that differ.
@@ -54,7 +55,7 @@ class ReplayedBatch:
   step: int
   process: int
   processes: int
-  saved: SavedStep
+  saved: SavedStep | None  # None: packed from the stream's start
   batch: dict[str, Any]
   shards: list[int]  # the logical shard of each row (-1: a padding row)
 
@@ -75,15 +76,17 @@ def saved_steps(checkpoint_dir: str | os.PathLike) -> list[SavedStep]:
   return sorted(out, key=lambda s: s.batches)
 
 
-def choose(steps: Sequence[SavedStep], step: int) -> tuple[SavedStep, SavedStep | None]:
-  """The nearest saved step at or before `step`, and the next one (which the run that
-  trained from it wrote: its process count and batch are the ones to replay with)."""
+def choose(steps: Sequence[SavedStep],
+           step: int) -> tuple[SavedStep | None, SavedStep | None]:
+  """The nearest saved step at or before `step` (None: the stream's start), and the next
+  one (which the run that trained from it wrote: its process count and batch are the
+  ones to replay with)."""
+  if not steps:
+    raise ReplayError("no checkpoint holding the pipeline's shard files there: was it "
+                      "written by bagel_grain.jax.save?")
   before = [s for s in steps if s.batches <= step]
-  if not before:
-    raise ReplayError(f"no checkpoint at or before data step {step} (saved: "
-                      f"{[s.batches for s in steps] or 'none'})")
   after = [s for s in steps if s.batches > step]
-  return before[-1], (after[0] if after else None)
+  return (before[-1] if before else None), (after[0] if after else None)
 
 
 def replay(cfg: PipelineConfig, tokenizer, checkpoint_dir: str | os.PathLike, step: int, *,
@@ -100,17 +103,19 @@ def replay(cfg: PipelineConfig, tokenizer, checkpoint_dir: str | os.PathLike, st
   """
   saved, later = choose(saved_steps(checkpoint_dir), step)
   facts = (later or saved).save
-  processes = processes or facts.get("processes") or _shard_count(saved)
+  processes = processes or facts.get("processes") or _shard_count(later or saved)
   batch_size = batch_size or facts.get("batch_size") or cfg.batch_size
   chosen = range(processes) if process is None else [process]
   if process is not None and not 0 <= process < processes:
     raise ReplayError(f"process {process} is not one of the run's {processes} processes")
-  bar = progress(len(chosen) * (step - saved.batches)) if progress else None
+  start = saved.batches if saved else 0
+  bar = progress(len(chosen) * (step - start)) if progress else None
   out = []
   try:
     for p in chosen:
-      out.append(_replay_one(cfg, tokenizer, saved, step, p, processes, batch_size,
-                             allow_changes=allow_changes, seed=seed, workers=workers, bar=bar))
+      out.append(_replay_one(cfg, tokenizer, saved or later, step, p, processes, batch_size,
+                             allow_changes=allow_changes, seed=seed, workers=workers, bar=bar,
+                             from_start=saved is None))
   finally:
     if bar is not None:
       bar.close()
@@ -124,10 +129,13 @@ def _shard_count(saved: SavedStep) -> int:
 
 def _replay_one(cfg, tokenizer, saved: SavedStep, step: int, process: int, processes: int,
                 batch_size: int, *, allow_changes: bool, seed: int | None,
-                workers: int | None, bar) -> ReplayedBatch:
+                workers: int | None, bar, from_start: bool) -> ReplayedBatch:
+  """From `saved`, or from the stream's start when `from_start` (`saved`, the first
+  checkpoint, then only checks that the config makes its stream)."""
   it = iter(build_pipeline(cfg, tokenizer, seed=seed, process_index=process,
                            process_count=processes, batch_size=batch_size, workers=workers))
   try:
+    start = it.get_state()
     try:
       restore_shard_states(saved.data, it, step=saved.step, allow_changes=allow_changes)
     except StateMismatchError as e:
@@ -135,7 +143,9 @@ def _replay_one(cfg, tokenizer, saved: SavedStep, step: int, process: int, proce
           f"the config does not make the stream checkpoint step {saved.step} saved (process "
           f"{process} of {processes}): {e}. Replay with the config of the run; pass "
           "--allow-changes if the run continued from this checkpoint on a new stage") from e
-    for _ in range(step - saved.batches):
+    if from_start:
+      it.set_state(start)
+    for _ in range(step - (0 if from_start else saved.batches)):
       next(it)
       if bar is not None:
         bar.update(1)
@@ -144,7 +154,7 @@ def _replay_one(cfg, tokenizer, saved: SavedStep, step: int, process: int, proce
     shards = row_shards(before, it.get_state(), sum(1 for k in batch["sample_keys"] if k))
   finally:
     it.close()
-  return ReplayedBatch(step, process, processes, saved, batch, shards)
+  return ReplayedBatch(step, process, processes, None if from_start else saved, batch, shards)
 
 
 # -- what is printed --------------------------------------------------------------------
@@ -195,8 +205,9 @@ def describe(replayed: ReplayedBatch, tokenizer, cfg: PipelineConfig, *, width: 
   # pylint: disable=import-outside-toplevel
   from bagel_grain.tooling.inspect_row import inspect_row
   r = replayed
-  lines = [f"step {r.step}, process {r.process} of {r.processes} (from checkpoint step "
-           f"{r.saved.step}, {r.step - r.saved.batches} batches packed forward)"]
+  origin = f"checkpoint step {r.saved.step}" if r.saved else "the stream's start"
+  lines = [f"step {r.step}, process {r.process} of {r.processes} (from {origin}, "
+           f"{r.step - (r.saved.batches if r.saved else 0)} batches packed forward)"]
   for b, keys in enumerate(r.batch["sample_keys"]):
     if not keys:
       lines.append(f" row {b}: empty (the end of a finite stream)")
