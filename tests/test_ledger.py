@@ -21,8 +21,8 @@ from jax.sharding import Mesh
 from bagel_grain import build_pipeline, load_config, load_tokenizer
 from bagel_grain import jax as bgj
 from bagel_grain.errors import StateMismatchError
-from bagel_grain.jax.ledger import LedgerError, open_ledger
-from bagel_grain.tooling import cli
+from bagel_grain.ledger import LedgerError, open_ledger
+from bagel_grain.tooling import bench, cli
 from bagel_grain.tooling.replay import replay
 from jax_cluster import run_processes, small_demo_config
 
@@ -117,7 +117,13 @@ def test_stats_count_what_was_trained(one_process_run):
                                 for k in keys)
   stats = open_ledger(ckpt).stats()
   assert {g: s["samples"] for g, s in stats.items()} == samples
-  assert all(s["tokens"] > 0 and 0 < s["records"] <= s["samples"] for s in stats.values())
+  epochs = collections.defaultdict(int)
+  for rows in truth.values():
+    for keys in rows.values():
+      for k in keys:
+        epochs[k[0]] = max(epochs[k[0]], k[2])
+  assert {g: s["epoch"] for g, s in stats.items()} == epochs
+  assert all(s["tokens"] > 0 for s in stats.values())
 
 
 # -- a damaged or foreign ledger file is refused by name --------------------------------
@@ -238,3 +244,16 @@ def test_the_commands_print_a_step(elastic_run, capsys):
   printed = capsys.readouterr().out
   assert "step 12, process 1 of 2 (from checkpoint step 10, 2 batches packed forward)" in printed
   assert all(k[3] in printed for (p, _), keys in truth[12].items() if p == 1 for k in keys)
+
+
+def test_bench_reports_the_ledgers_cost_and_size(small_config):
+  cfg, tokenizer = small_config
+  report = bench.measure_ledger(cfg, tokenizer, batch_size=2, step_s=0.1, batches=3)
+  assert report["samples_per_step"] > 2
+  assert 0 < report["bytes_per_sample"] < 200
+  assert report["bytes_per_1m_steps"] == pytest.approx(
+      report["bytes_per_sample"] * report["samples_per_step"] * 1e6)
+  # 512-token rows and a 3-step segment (its footer counts): far from the bench config's
+  # 0.03% (docs/debugging.md), still a small share.
+  assert 0 < report["share_of_token_bytes"] < 0.05
+  assert "bytes/sample" in bench.ledger_line(report)

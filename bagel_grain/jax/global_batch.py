@@ -6,7 +6,7 @@ Each JAX process packs its own `[B_local, ...]` rows (docs/design.md, section 7)
 `DevicePrefetchIterator` does this a few batches ahead in a thread and keeps the
 Grain state of the last batch handed out, so a checkpoint taken between steps
 resumes exactly after the batches the trainer consumed; with a ledger
-(`bagel_grain.jax.ledger`) it records the samples of every batch the trainer takes.
+(`bagel_grain.ledger`) it records the samples of every batch the trainer takes.
 """
 
 from __future__ import annotations
@@ -19,9 +19,10 @@ import grain
 import jax
 import numpy as np
 from etils import epath
+from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from bagel_grain.jax.ledger import Ledger, step_rows
+from bagel_grain.ledger import Ledger, step_rows
 
 HOST_FIELDS = ("sample_keys",)
 
@@ -224,6 +225,8 @@ def device_iterator(dataset: grain.IterDataset | grain.DatasetIterator, mesh: Me
 
   writer = None
   if ledger is not None:
-    writer = Ledger(ledger)
+    writer = Ledger(ledger, process_index=jax.process_index(),
+                    process_count=jax.process_count(),
+                    broadcast=multihost_utils.broadcast_one_to_all)
     writer.begin(0)
   return DevicePrefetchIterator(parent, to_device, buffer_size=buffer_size, ledger=writer)

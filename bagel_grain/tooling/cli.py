@@ -263,7 +263,7 @@ def _replay(args) -> int:
 
 
 def _ledger(args) -> int:
-  from bagel_grain.jax import ledger  # pylint: disable=import-outside-toplevel
+  from bagel_grain import ledger  # pylint: disable=import-outside-toplevel
   start = time.perf_counter()
   files = ledger.open_ledger(args.dir)
   if args.step is not None:
@@ -283,9 +283,9 @@ def _ledger(args) -> int:
             f"{line['shard']} slot {line['slot']}: {line['group']} epoch {line['epoch']}")
   else:
     print(f"steps 0..{files.last_step()} ({len(files.segments)} segments)")
-    print("group            samples  records     tokens")
+    print("group            samples          tokens  epoch")
     for group, counts in files.stats().items():
-      print(f"{group:16s} {counts['samples']:8d} {counts['records']:8d} {counts['tokens']:10d}")
+      print(f"{group:16s} {counts['samples']:8d} {counts['tokens']:15d} {counts['epoch']:6d}")
   print(f"answered in {time.perf_counter() - start:.3f} s", file=sys.stderr)
   return 0
 

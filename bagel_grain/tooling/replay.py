@@ -25,7 +25,7 @@ from etils import epath
 from bagel_grain.config import PipelineConfig
 from bagel_grain.errors import BagelGrainError, StateMismatchError
 from bagel_grain.jax.checkpoint import DATA, batches_taken, restore_shard_states
-from bagel_grain.jax.ledger import row_shards
+from bagel_grain.ledger import row_shards
 from bagel_grain.pipeline import build_pipeline
 
 _SHARD_FILE = re.compile(r"shard_state_(\d+)-of-(\d+)\.json")

@@ -24,7 +24,7 @@ import dataclasses
 import json
 import re
 import secrets
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import numpy as np
 import pyarrow as pa
@@ -130,46 +130,51 @@ def _write_atomically(path: epath.Path, data: bytes) -> None:
 # -- writing --------------------------------------------------------------------------
 
 
+def _alone(value: np.ndarray) -> np.ndarray:
+  return value
+
+
 class Ledger:
   """One process's writer (`device_iterator(..., ledger=...)` makes it).
 
   `begin(step)` (every process, together: process 0 chooses the run identity and the
-  generation) starts a generation at `step`; `record` keeps a batch's lines in memory;
-  `flush` writes them as one segment (`bagel_grain.jax.save` calls it).
+  generation, and `broadcast` hands its choice to all, as
+  `multihost_utils.broadcast_one_to_all` does) starts a generation at `step`; `record`
+  keeps a batch's lines in memory; `flush` writes them as one segment
+  (`bagel_grain.jax.save` calls it).
   """
 
-  def __init__(self, directory: str | epath.PathLike):
+  def __init__(self, directory: str | epath.PathLike, *, process_index: int = 0,
+               process_count: int = 1,
+               broadcast: Callable[[np.ndarray], np.ndarray] = _alone):
     self.directory = epath.Path(directory)
+    self._process, self._processes, self._broadcast = process_index, process_count, broadcast
     self._pending: list[tuple[int, StepRows]] = []
     self._run = ""
     self._generation = self._begins = -1
-    self._process = 0
 
   def begin(self, step: int, *, restored: bool = False) -> None:
     """A new generation from `step` (0 at the start, the restored step after a restore).
     A restore writes a marker, so the lines it supersedes are superseded even before
     this generation writes any; lines taken and not flushed are dropped (a restore
     goes back to before them)."""
-    # pylint: disable=import-outside-toplevel
-    import jax
-    from jax.experimental import multihost_utils
     self.directory.mkdir(parents=True, exist_ok=True)
     mine = np.zeros(2, np.int32)
-    if jax.process_index() == 0:
+    if self._process == 0:
       files = LedgerFiles.listing(self.directory)
       run = files.run or f"{secrets.randbits(31):08x}"
       if files.run is None:
         _write_atomically(self.directory / IDENTITY,
                           json.dumps({"version": VERSION, "run": run}).encode())
       mine[:] = int(run, 16), files.next_generation
-    agreed = np.asarray(multihost_utils.broadcast_one_to_all(mine))
+    agreed = np.asarray(self._broadcast(mine))
     self._run, self._generation = f"{int(agreed[0]):08x}", int(agreed[1])
-    self._begins, self._process = int(step), jax.process_index()
+    self._begins = int(step)
     self._pending.clear()
     if restored and self._process == 0:
       _write_atomically(self.directory / begin_name(self._generation, self._begins), json.dumps(
           {"version": VERSION, "run": self._run, "generation": self._generation,
-           "begins": self._begins, "processes": jax.process_count()}).encode())
+           "begins": self._begins, "processes": self._processes}).encode())
 
   def record(self, step: int, rows: StepRows) -> None:
     """The training loop took batch `step`: keep its lines (no I/O)."""
@@ -269,20 +274,21 @@ class LedgerFiles:
                default=-1)
 
   def read(self, segment: Segment, *, columns: Sequence[str] | None = None,
-           filters: Any = None) -> pa.Table:
-    """A segment's lines still valid, checked to be whole and of this run."""
-    self._checked_metadata(segment)
+           where: Callable[[pa.Table], Any] | None = None) -> pa.Table:
+    """A segment's lines still valid (and those `where` keeps: a mask of the table of
+    `columns`), the file checked to be whole and of this run."""
+    parquet = self._opened(segment)
     try:
-      table = pq.read_table(segment.path, columns=columns, filters=filters)
+      table = parquet.read(columns=columns)
     except (pa.ArrowException, OSError) as e:
       raise LedgerError(f"ledger segment {segment.path} cannot be read ({e}): cut short? "
                         "Move it aside; its steps are then missing from the ledger") from e
     until = self.valid_until(segment.generation)
     if until != float("inf"):
       table = table.filter(pc.less(table["step"], until))
-    return table
+    return table.filter(where(table)) if where is not None else table
 
-  def _checked_metadata(self, segment: Segment) -> None:
+  def _opened(self, segment: Segment) -> pq.ParquetFile:
     try:
       parquet = pq.ParquetFile(segment.path)
       meta = json.loads(parquet.schema_arrow.metadata[_META_KEY])
@@ -303,30 +309,38 @@ class LedgerFiles:
       raise LedgerError(f"ledger segment {segment.path} does not hold what its name says "
                         f"({', '.join(f'{k}: named {a}, holds {b}' for k, (a, b) in differs.items())}"
                         "): renamed or cut short? Remove it")
+    return parquet
 
   def at_step(self, step: int) -> pa.Table:
     """Every process's lines of `step`, ordered by process, row and slot."""
     holding = [s for s in self.segments if s.first <= step <= s.last
                and s.begins <= step < self.valid_until(s.generation)]
-    return _sorted(_concat([self.read(s, filters=[("step", "==", step)]) for s in holding]))
+    return _sorted(_concat([self.read(s, where=lambda t: pc.equal(t["step"], step))
+                            for s in holding]))
 
   def of_record(self, record: str) -> pa.Table:
-    """Every line of `record`, in step order (the whole ledger is read)."""
-    return _sorted(_concat([self.read(s, filters=[("record", "==", record)])
-                            for s in self.segments]))
+    """Every line of `record`, in step order (every segment is read)."""
+    found = []
+    for segment in self.segments:
+      hits = self.read(segment, columns=["step", "record"],
+                       where=lambda t: pc.equal(t["record"], record))
+      if hits.num_rows:  # the whole lines of the few segments that hold it
+        found.append(self.read(segment, where=lambda t: pc.equal(t["record"], record)))
+    return _sorted(_concat(found))
 
   def stats(self) -> dict[str, dict[str, int]]:
-    """Per group: samples trained, distinct records and tokens, over the whole ledger."""
-    tables = [self.read(s, columns=["step", "group", "record", "tokens"])
-              for s in self.segments]
-    table = _concat(tables)
-    out = {}
-    for group in sorted(set(table["group"].to_pylist())) if table.num_rows else ():
-      mine = table.filter(pc.equal(table["group"], group))
-      out[group] = {"samples": mine.num_rows,
-                    "records": len(pc.unique(mine["record"])),
-                    "tokens": int(pc.sum(mine["tokens"]).as_py() or 0)}
-    return out
+    """Per group: samples trained, tokens, and the highest epoch reached, over the whole
+    ledger (one segment in memory at a time)."""
+    out: dict[str, dict[str, int]] = {}
+    for segment in self.segments:
+      table = self.read(segment, columns=["step", "group", "epoch", "tokens"])
+      for row in table.group_by("group").aggregate(
+          [("group", "count"), ("tokens", "sum"), ("epoch", "max")]).to_pylist():
+        counts = out.setdefault(row["group"], {"samples": 0, "tokens": 0, "epoch": 0})
+        counts["samples"] += row["group_count"]
+        counts["tokens"] += row["tokens_sum"] or 0
+        counts["epoch"] = max(counts["epoch"], row["epoch_max"] or 0)
+    return dict(sorted(out.items()))
 
 
 def _concat(tables: Iterable[pa.Table]) -> pa.Table:
