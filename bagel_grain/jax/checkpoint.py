@@ -118,6 +118,11 @@ def restore(manager: ocp.CheckpointManager, step: int | None, state_template: An
 _SHARD_FILE = re.compile(r"shard_state_(\d+)-of-(\d+)\.json")
 
 
+def shard_files(directory: epath.Path) -> dict[str, re.Match]:
+  """A step's data folder: its shard files by name (the match: shard, count)."""
+  return {f.name: m for f in directory.iterdir() if (m := _SHARD_FILE.fullmatch(f.name))}
+
+
 @contextlib.contextmanager
 def _naming(paths):
   """A damaged or foreign saved state: an error that names the files it came from."""
@@ -162,7 +167,7 @@ class ShardStatesHandler:
   def restore(self, directory: epath.Path, item: Any = None, args: Any = None) -> Any:
     item = item if item is not None else args.item
     served = item.get_state()
-    files = {f.name: m for f in directory.iterdir() if (m := _SHARD_FILE.fullmatch(f.name))}
+    files = shard_files(directory)
     if not shards.is_sharded(served) or not files:  # Grain's per-process file (also from before
       process_file = directory / f"process_{jax.process_index()}-of-{jax.process_count()}.json"
       with _naming([process_file]):  # logical shards)
@@ -199,7 +204,7 @@ def restore_shard_states(directory: epath.Path, item: Any, *, step: int | None,
   step's shard files: those of the shards it serves, all checked to make up one save
   of `step`. Returns that save's facts (`save_facts`; None before they were kept)."""
   served = item.get_state()
-  files = {f.name: m for f in directory.iterdir() if (m := _SHARD_FILE.fullmatch(f.name))}
+  files = shard_files(directory)
   count = shards.shard_count(served)
   saved_counts = {int(m.group(2)) for m in files.values()}
   if saved_counts != {count}:

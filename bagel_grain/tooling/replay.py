@@ -16,7 +16,6 @@ import collections
 import dataclasses
 import json
 import os
-import re
 from typing import Any, Callable, Sequence
 
 import numpy as np
@@ -24,11 +23,9 @@ from etils import epath
 
 from bagel_grain.config import PipelineConfig
 from bagel_grain.errors import BagelGrainError, StateMismatchError
-from bagel_grain.jax.checkpoint import DATA, batches_taken, restore_shard_states
+from bagel_grain.jax.checkpoint import DATA, batches_taken, restore_shard_states, shard_files
 from bagel_grain.ledger import row_shards
 from bagel_grain.pipeline import build_pipeline
-
-_SHARD_FILE = re.compile(r"shard_state_(\d+)-of-(\d+)\.json")
 
 
 class ReplayError(BagelGrainError):
@@ -68,7 +65,7 @@ def saved_steps(checkpoint_dir: str | os.PathLike) -> list[SavedStep]:
     data = path / DATA
     if not (path.name.isdigit() and data.is_dir()):
       continue  # Orbax's temporary folders of a save in progress, the ledger
-    names = sorted(f.name for f in data.iterdir() if _SHARD_FILE.fullmatch(f.name))
+    names = sorted(shard_files(data))
     if not names:
       continue
     save = json.loads((data / names[0]).read_text()).get("save") or {}
@@ -123,8 +120,7 @@ def replay(cfg: PipelineConfig, tokenizer, checkpoint_dir: str | os.PathLike, st
 
 
 def _shard_count(saved: SavedStep) -> int:
-  names = [f.name for f in saved.data.iterdir() if _SHARD_FILE.fullmatch(f.name)]
-  return int(_SHARD_FILE.fullmatch(names[0]).group(2))
+  return int(next(iter(shard_files(saved.data).values())).group(2))
 
 
 def _replay_one(cfg, tokenizer, saved: SavedStep, step: int, process: int, processes: int,
