@@ -133,6 +133,7 @@ def test_a_truncated_segment_is_refused_by_name(one_process_run, tmp_path):
   _, ckpt, _ = one_process_run
   copy = Path(shutil.copytree(ckpt / "data_ledger", tmp_path / "ledger"))
   segment = sorted(copy.glob("*steps000000000010-*.parquet"))[0]
+  (copy / f".tmp-0badcafe-{segment.name}").write_bytes(b"PAR1")  # a write a kill cut short
   segment.write_bytes(segment.read_bytes()[:-100])
   ledger = open_ledger(copy)
   assert ledger.at_step(3).num_rows  # the other segments still answer
@@ -234,15 +235,18 @@ def test_replay_from_any_checkpoint_of_the_elastic_run(elastic_run, lowest, stag
   assert replayed_by_row(got) == truth[step]
 
 
-def test_the_commands_print_a_step(elastic_run, capsys):
+def test_the_commands_print_a_step(elastic_run, capsys, tmp_path):
   out, config, _, truth = elastic_run
   assert cli.main(["ledger", str(out / "ckpt"), "--step", "12"]) == 0
   printed = capsys.readouterr().out
   assert all(k[3] in printed for keys in truth[12].values() for k in keys)
   assert cli.main(["replay", "--config", str(config), "--checkpoint", str(out / "ckpt"),
-                   "--step", "12", "--process", "1", "--workers", "0"]) == 0
+                   "--step", "12", "--process", "1", "--workers", "0",
+                   "--png", str(tmp_path)]) == 0
   printed = capsys.readouterr().out
   assert "step 12, process 1 of 2 (from checkpoint step 10, 2 batches packed forward)" in printed
+  assert sorted(p.name for p in tmp_path.iterdir()) == [
+      f"step12_process1_row{r}.png" for r in range(len(truth[12]) // 2)]
   assert all(k[3] in printed for (p, _), keys in truth[12].items() if p == 1 for k in keys)
 
 
