@@ -33,7 +33,6 @@ import pyarrow.parquet as pq
 from etils import epath
 
 from bagel_grain.errors import BagelGrainError
-from bagel_grain.packing import shards as shard_states
 
 VERSION = 1
 IDENTITY = "LEDGER.json"
@@ -71,7 +70,8 @@ def row_shards(before: Any, after: Any, rows: int) -> list[int]:
   states before and after it: the interleaving takes the shard with the fewest rows so
   far (the lowest on a tie) among those that made one (`packing/shards.py`). -1 where
   the states are not the pipeline's."""
-  if not (shard_states.is_sharded(before) and shard_states.is_sharded(after)):
+  if not all(isinstance(s, dict) and "shards" in s and "logical_shards" in s
+             for s in (before, after)):
     return [-1] * rows
   done = {int(s): int(e["rows"]) for s, e in before["shards"].items()}
   left = {int(s): int(e["rows"]) - done.get(int(s), 0) for s, e in after["shards"].items()}
