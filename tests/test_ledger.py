@@ -7,8 +7,11 @@ from __future__ import annotations
 
 import collections
 import json
+import os
 import random
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import jax
@@ -261,3 +264,17 @@ def test_bench_reports_the_ledgers_cost_and_size(small_config):
   # 0.03% (docs/debugging.md), still a small share.
   assert 0 < report["share_of_token_bytes"] < 0.05
   assert "bytes/sample" in bench.ledger_line(report)
+
+
+def test_the_ledger_command_imports_neither_grain_nor_jax(one_process_run):
+  """Part of what keeps `--step` near a second at 1M steps: the command imports no
+  pipeline (and reads only the segments holding the step: the truncated-segment test)."""
+  _, ckpt, truth = one_process_run
+  script = ("import sys; from bagel_grain.tooling import cli; "
+            f"code = cli.main(['ledger', {str(ckpt)!r}, '--step', '7']); "
+            "print(code, sorted(m for m in ('grain', 'jax', 'orbax') if m in sys.modules))")
+  done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                        env={**os.environ, "PYTHONPATH": str(Path(__file__).parents[1])},
+                        timeout=120, check=True)
+  assert done.stdout.splitlines()[-1] == "0 []"
+  assert all(k[3] in done.stdout for keys in truth[7].values() for k in keys)
