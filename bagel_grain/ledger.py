@@ -240,7 +240,7 @@ class LedgerFiles:
     directory = epath.Path(directory)
     if (directory / "data_ledger").is_dir():  # the checkpoint folder was given
       directory = directory / "data_ledger"
-    segments, begins, run = [], {}, None
+    segments, begins, markers, run = [], {}, [], None
     if (directory / IDENTITY).exists():
       try:
         run = str(json.loads((directory / IDENTITY).read_text())["run"])
@@ -254,6 +254,9 @@ class LedgerFiles:
         begins.setdefault(g, b)
       elif m := _BEGIN.fullmatch(path.name):
         begins.setdefault(int(m.group(1)), int(m.group(2)))
+        markers.append(path)
+    for path in markers:  # one per restore: few, and each decides what is superseded
+      _check_marker(path, run)
     if segments and run is None:
       raise LedgerError(f"{directory} holds ledger segments but no {IDENTITY}: not one run's "
                         "ledger (a partial copy?)")
@@ -341,6 +344,19 @@ class LedgerFiles:
         counts["tokens"] += row["tokens_sum"] or 0
         counts["epoch"] = max(counts["epoch"], row["epoch_max"] or 0)
     return dict(sorted(out.items()))
+
+
+def _check_marker(path: epath.Path, run: str | None) -> None:
+  """A restore's marker is whole and of this run (a foreign one would hide lines)."""
+  try:
+    marker = json.loads(path.read_text())
+    owner = marker["run"]
+  except (ValueError, KeyError, TypeError) as e:
+    raise LedgerError(f"ledger marker {path} is not a whole marker ({e}): a copy cut short? "
+                      "Remove it; the lines it superseded then count again") from e
+  if owner != run:
+    raise LedgerError(f"ledger marker {path} belongs to run {owner!r}, not to this ledger's "
+                      f"run {run!r}: a file of another run; remove it")
 
 
 def _concat(tables: Iterable[pa.Table]) -> pa.Table:

@@ -156,6 +156,11 @@ def test_another_runs_segment_is_refused_by_name(small_config, one_process_run, 
   shutil.copy(foreign, copy / foreign.name)  # replaces this run's segment of steps 0..9
   with pytest.raises(LedgerError, match=f"{foreign.name} belongs to run"):
     open_ledger(copy).at_step(4)
+  (copy / foreign.name).unlink()
+  marker = copy / "g000005-from000000000030.begin.json"  # another run's restore at 30
+  marker.write_text(json.dumps({"run": "0badcafe", "generation": 5, "begins": 30}))
+  with pytest.raises(LedgerError, match=f"{marker.name} belongs to run '0badcafe'"):
+    open_ledger(copy)
 
 
 def test_a_restore_supersedes_the_steps_after_it(small_config, demo_dir, tmp_path):
