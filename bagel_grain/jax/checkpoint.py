@@ -18,6 +18,12 @@ writes `data/data_manifest.json`, the files each dataset held: a restore onto
 changed data names the files that changed, and tells records appended from records
 rewritten; and, once records were appended at a restore, `data/data_eras.json`, the
 files of each group's earlier record sets (`packing/eras.py`).
+
+A restore reads these files as it reads config files (`fs.read_file`): regular files
+only, checked before they are opened (a FIFO would wait forever for a writer), each
+under a size bound checked before it is read, and only files of the checkpoint's own
+`data/` folder (a link to a file elsewhere is refused: whatever it points at was not
+saved with this step).
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+import os
 import re
 import secrets
 from typing import Any
@@ -36,6 +43,7 @@ import orbax.checkpoint as ocp
 from jax.experimental import multihost_utils
 from etils import epath
 
+from bagel_grain import fs
 from bagel_grain.errors import StateMismatchError
 from bagel_grain.jax.global_batch import DevicePrefetchIterator
 from bagel_grain.packing import shards
@@ -43,11 +51,24 @@ from bagel_grain.packing.batch import BatchIterator
 from bagel_grain.sources.manifest import Manifest
 
 STATE, DATA = "state", "data"
+# The least size bound of a saved file, whatever the iterator's own state is today: a
+# shard state is a few KB (its buffer lists at most `max_buffer_size` samples); a manifest
+# holds a line per data file.
+MIN_SHARD_STATE_BYTES = 1 << 20
+MIN_MANIFEST_BYTES = 64 << 20
+# A saved file may be this many times its counterpart now (counters and record indices
+# grow in digits as training goes on; groups may be removed at a new stage).
+SAVED_GROWTH = 8
 
 
 def checkpoint_manager(directory: str, *, max_to_keep: int | None = None,
                        **options: Any) -> ocp.CheckpointManager:
-  """A `CheckpointManager` for `save`/`restore`; `options` go to `CheckpointManagerOptions`."""
+  """A `CheckpointManager` for `save`/`restore`; `options` go to `CheckpointManagerOptions`.
+
+  A relative local `directory` is taken from the current folder now (Orbax itself
+  accepts only absolute paths, and would say so only at the first save)."""
+  if not fs.is_uri(str(directory)):
+    directory = os.path.abspath(directory)
   opts = ocp.CheckpointManagerOptions(max_to_keep=max_to_keep, create=True, **options)
   return ocp.CheckpointManager(directory, options=opts, item_names=(STATE, DATA))
 
@@ -59,7 +80,8 @@ def save(manager: ocp.CheckpointManager, step: int, state: Any,
   The iterator state is read now, synchronously; with `wait=False` the array
   writes finish in the background (call `manager.wait_until_finished()` before
   the next save or exit). An iterator's ledger is written first: a checkpoint never
-  holds a position the ledger has not reached.
+  holds a position the ledger has not reached. Call it between steps only, never from
+  a signal handler (docs/elastic.md, "Saving on preemption").
   """
   if isinstance(iterator, DevicePrefetchIterator) and iterator.ledger is not None:
     iterator.ledger.flush()
@@ -107,12 +129,29 @@ def restore(manager: ocp.CheckpointManager, step: int | None, state_template: An
   step = manager.latest_step() if step is None else step
   if step is None:
     raise FileNotFoundError(f"no checkpoint in {manager.directory}")
-  restored = manager.restore(step, args=ocp.args.Composite(**{
-      STATE: ocp.args.StandardRestore(state_template),
-      DATA: ShardStatesRestore(iterator, allow_changes=allow_changes, step=step)}))
+  try:
+    restored = manager.restore(step, args=ocp.args.Composite(**{
+        STATE: ocp.args.StandardRestore(state_template),
+        DATA: ShardStatesRestore(iterator, allow_changes=allow_changes, step=step)}))
+  except KeyError as e:  # Orbax's answer to an item folder it does not find
+    if f'"{DATA}"' not in str(e):
+      raise
+    raise StateMismatchError(
+        f"{_step_folder(manager, step) / DATA} is missing: the checkpoint of step {step} holds "
+        "no data iterator state (a partial copy, or saved without bagel_grain.jax.save?). "
+        "Restore from a complete step") from None
   if isinstance(iterator, DevicePrefetchIterator) and iterator.ledger is not None:
     iterator.ledger.begin(iterator.batches_taken, restored=True)  # every process, together
   return restored[STATE]
+
+
+def _step_folder(manager: ocp.CheckpointManager, step: int) -> epath.Path:
+  """The folder of a finished `step` (the manager's folder if none is found)."""
+  for path in ocp.step.checkpoint_steps_paths(manager.directory):
+    with contextlib.suppress(ValueError):
+      if ocp.step.step_from_checkpoint_name(path.name) == step:
+        return path
+  return epath.Path(manager.directory)
 
 
 _SHARD_FILE = re.compile(r"shard_state_(\d+)-of-(\d+)\.json")
@@ -128,12 +167,53 @@ def _naming(paths):
   """A damaged or foreign saved state: an error that names the files it came from."""
   try:
     yield
-  except (json.JSONDecodeError, StateMismatchError) as e:
+  except (json.JSONDecodeError, UnicodeDecodeError, StateMismatchError) as e:
     raise StateMismatchError(f"cannot restore the data iterator from "
                              f"{', '.join(map(str, paths))}: {e}") from e
 
 
 _MANIFEST, _ERAS = "data_manifest.json", "data_eras.json"
+
+
+def _manifests_json(item: Any) -> dict[str, dict[str, Any]]:
+  """The iterator's data manifests as `data_manifest.json` holds them."""
+  return {group: {name: m.to_json() for name, m in datasets.items()}
+          for group, datasets in item.manifests().items()}
+
+
+def _bound(now: Any, least: int) -> int:
+  """The most bytes a saved file may have whose counterpart today is `now`."""
+  return max(least, SAVED_GROWTH * len(json.dumps(now, indent=1)))
+
+
+def _read_json(path: epath.Path, max_bytes: int, what: str) -> Any:
+  """The JSON of one file of a checkpoint's `data/` folder, read as `fs.read_file` reads
+  (a regular file, at most `max_bytes`, refused unopened otherwise); StateMismatchError
+  naming the file when refused."""
+  name = str(path)
+  if not fs.is_uri(name) and os.path.islink(name):
+    target = os.path.realpath(name)
+    if os.path.dirname(target) != os.path.realpath(os.path.dirname(name)):
+      raise StateMismatchError(f"{name} links to a file outside the checkpoint ({target}); "
+                               f"a {what} is read from the checkpoint's own files only: "
+                               "copy the checkpoint with its files (cp -rL)")
+  try:
+    return json.loads(_bounded_bytes(path, max_bytes))
+  except fs.FileRefused as e:
+    raise StateMismatchError(f"{e} (a {what} is a regular file of at most {max_bytes} bytes; "
+                             "a copy gone wrong, or not a checkpoint of this pipeline?)") from None
+
+
+def _bounded_bytes(path: epath.Path, max_bytes: int) -> bytes:
+  """A local file through `fs.read_file`; a bucket's object through the filesystem Orbax
+  wrote it with (an object store holds regular files only), its size checked first."""
+  name = str(path)
+  if not fs.is_uri(name):
+    return fs.read_file(name, max_bytes)
+  size = path.stat().length
+  if size > max_bytes:
+    raise fs.FileRefused(f"{name}: {size} bytes > {max_bytes}", regular=True)
+  return path.read_bytes()
 
 
 class ShardStatesHandler:
@@ -156,9 +236,7 @@ class ShardStatesHandler:
       (directory / f"shard_state_{shard}-of-{count}.json").write_text(
           json.dumps({**part, "save": args.save}, indent=1))
     if jax.process_index() == 0:
-      manifests = {group: {name: m.to_json() for name, m in datasets.items()}
-                   for group, datasets in item.manifests().items()}
-      (directory / _MANIFEST).write_text(json.dumps(manifests))
+      (directory / _MANIFEST).write_text(json.dumps(_manifests_json(item)))
       eras = {group: [{name: m.to_json() for name, m in s.items()} for s in sets]
               for group, sets in item.era_manifests().items()}
       if eras:
@@ -171,6 +249,8 @@ class ShardStatesHandler:
     if not shards.is_sharded(served) or not files:  # Grain's per-process file (also from before
       process_file = directory / f"process_{jax.process_index()}-of-{jax.process_count()}.json"
       with _naming([process_file]):  # logical shards)
+        if not fs.is_uri(str(process_file)) and fs.kind(str(process_file)) == "special file":
+          raise StateMismatchError(f"{process_file} is not a regular file")  # never opened
         return grain.checkpoint.CheckpointHandler().restore(
             directory, args=grain.checkpoint.CheckpointRestore(item))
     save = restore_shard_states(directory, item, step=args.step,
@@ -220,19 +300,20 @@ def restore_shard_states(directory: epath.Path, item: Any, *, step: int | None,
         f"the checkpoint in {directory} does not hold exactly the {count} logical shards "
         f"it was saved with (files of no such shard: {extra or 'none'}; shards without a "
         f"file: {missing or 'none'}): a copy gone wrong? Restore from a complete step")
-  _check_one_save(directory, sorted(files), step)
+  most = max(_bound(part, MIN_SHARD_STATE_BYTES)
+             for part in shards.split_state(served).values())
+  parts_read = _check_one_save(directory, sorted(files), step, most)
   paths = [directory / f"shard_state_{shard}-of-{count}.json"
            for shard in shards.served(served)]
-  parts = []
-  for path in paths:
-    with _naming([path]):
-      parts.append(json.loads(path.read_text()))
+  parts = [parts_read[path.name] for path in paths]
+  most_manifest = _bound(_manifests_json(item), MIN_MANIFEST_BYTES)
+  saved_manifests = _manifests(directory / _MANIFEST, most_manifest)
+  saved_eras = _era_manifests(directory / _ERAS, most_manifest)
   with _naming(paths):
     joined = shards.joined_states(parts)
     save = joined.pop("save", None)
     item.set_state(joined, allow_changes=allow_changes,
-                   saved_manifests=_manifests(directory / _MANIFEST),
-                   saved_eras=_era_manifests(directory / _ERAS))
+                   saved_manifests=saved_manifests, saved_eras=saved_eras)
   return save
 
 
@@ -244,13 +325,16 @@ def batches_taken(save: Any, step: int | None) -> int:
   return int(step or 0)
 
 
-def _check_one_save(directory: epath.Path, names: list[str], step: int | None) -> None:
+def _check_one_save(directory: epath.Path, names: list[str], step: int | None,
+                    most: int) -> dict[str, Any]:
   """Every shard file of the step (not only those this process reads) names one save, and
-  that save is of `step`; files written before saves were named pass."""
+  that save is of `step`; files written before saves were named pass. Returns each file's
+  JSON by name (each file of at most `most` bytes)."""
   saves: dict[str, list[str]] = {}
+  parts = {}
   for name in names:
     with _naming([directory / name]):
-      part = json.loads((directory / name).read_text())
+      part = parts[name] = _read_json(directory / name, most, "shard state")
     save = part.get("save") if isinstance(part, dict) else None
     saves.setdefault(json.dumps(save, sort_keys=True), []).append(name)
   if len(saves) > 1:
@@ -263,28 +347,32 @@ def _check_one_save(directory: epath.Path, names: list[str], step: int | None) -
     raise StateMismatchError(f"the shard files in {directory} were saved at step "
                              f"{save.get('step')}, not at step {step} being restored: a copy "
                              "gone wrong? Restore from a complete step")
+  return parts
 
 
-def _manifests(path: epath.Path) -> dict[str, dict[str, Manifest]] | None:
+def _manifests(path: epath.Path, most: int) -> dict[str, dict[str, Manifest]] | None:
   """The data manifests a checkpoint kept (None for one written before they were kept)."""
   if not path.exists():
     return None
   with _naming([path]):
     try:
+      saved = _read_json(path, most, "data manifest")
+      if not isinstance(saved, dict):
+        raise TypeError(f"a JSON {type(saved).__name__} where an object of groups belongs")
       return {group: {name: Manifest.from_json(m) for name, m in datasets.items()}
-              for group, datasets in json.loads(path.read_text()).items()}
+              for group, datasets in saved.items()}
     except (KeyError, TypeError, ValueError, AttributeError) as e:
       raise StateMismatchError(f"malformed data manifest ({type(e).__name__}: {e})") from e
 
 
-def _era_manifests(path: epath.Path) -> dict[str, list[dict[str, Manifest]]] | None:
+def _era_manifests(path: epath.Path, most: int) -> dict[str, list[dict[str, Manifest]]] | None:
   """The earlier record sets' manifests a checkpoint kept (None when it kept none)."""
   if not path.exists():
     return None
   with _naming([path]):
     try:
       return {group: [{name: Manifest.from_json(m) for name, m in s.items()} for s in sets]
-              for group, sets in json.loads(path.read_text()).items()}
+              for group, sets in _read_json(path, most, "data eras file").items()}
     except (KeyError, TypeError, ValueError, AttributeError) as e:
       raise StateMismatchError(f"malformed data eras ({type(e).__name__}: {e})") from e
 
