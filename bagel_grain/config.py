@@ -15,7 +15,8 @@ import os
 from typing import Any, Mapping
 
 from bagel_grain import fs, recipe
-from bagel_grain.config_values import check_keys, check_range, key_name, number
+from bagel_grain.config_values import (check_keys, check_range, close_key, did_you_mean, key_name,
+                                        number)
 from bagel_grain.config_yaml import load_yaml_file, shown
 from bagel_grain.errors import ConfigError
 from bagel_grain.families.family import Family, GroupOptions
@@ -147,6 +148,7 @@ class PipelineConfig:
 
 
 _PACKING_FIELDS = {f.name for f in dataclasses.fields(PipelineConfig)} - {"groups"}
+_TOP_LEVEL_SECTIONS = {"grouped_datasets", "dataset_info", "dataset"}
 # Fields that never change a row of the stream: how fast or with how many processes it is
 # made, when a run stops for bad data, resource limits, what the batches are wrapped in.
 # A saved state restores under any value of them (see `pipeline.fingerprint`).
@@ -283,7 +285,7 @@ def _group(name: str, raw: Any, info: Mapping, info_dir: str, info_file: str,
            file: str) -> GroupConfig:
   family = FAMILIES.get(name)
   if family is None:
-    raise ConfigError(f"unknown dataset family; known: {list(FAMILIES)}", file=file,
+    raise ConfigError(f"unknown dataset family; {did_you_mean(name, FAMILIES)}", file=file,
                       group=key_name(name), key=key_name(name))
   if not isinstance(raw, Mapping):
     raise ConfigError("a group must be a mapping", file=file, group=name, key=name)
@@ -377,7 +379,9 @@ def _top_level(raw: Mapping, file: str, base_dir: str,
   types = {f.name: f.type for f in dataclasses.fields(PipelineConfig)}
   for key, value in raw.items():
     if key not in _PACKING_FIELDS:
+      close = close_key(key, _PACKING_FIELDS | _TOP_LEVEL_SECTIONS | recipe.TRAINER_SECTIONS)
       raise ConfigError(
+          f"unknown top-level key; did you mean `{close}`?" if close else
           "unknown top-level key; expected `grouped_datasets`, `dataset_info`, a NeMo "
           f"recipe section or one of {sorted(_PACKING_FIELDS)}", file=file, key=key_name(key))
     kind, name = types[key], written.get(key, key)

@@ -5,6 +5,7 @@ Shared by `config.py` and the group options a family declares (`families.family.
 
 from __future__ import annotations
 
+import difflib
 import numbers
 from typing import Any, Mapping
 
@@ -36,9 +37,24 @@ def key_name(key: Any) -> str:
   return key if isinstance(key, str) and len(key) <= 80 else shown(key)
 
 
+def close_key(key: Any, allowed) -> str | None:
+  """The allowed key an unknown `key` is a typo of, if one is close enough."""
+  if not isinstance(key, str) or len(key) > 200:
+    return None
+  close = difflib.get_close_matches(key, sorted(allowed), n=1, cutoff=0.75)
+  return close[0] if close else None
+
+
+def did_you_mean(key: Any, allowed) -> str:
+  """The end of an unknown key's message: the closest allowed key when one is close (a
+  typo), else the allowed keys."""
+  close = close_key(key, allowed)
+  return f"did you mean `{close}`?" if close else f"allowed: {sorted(allowed)}"
+
+
 def check_keys(mapping: Mapping, allowed: set[str], *, file: str, group: str | None,
                where: str):
   for key in mapping:
     if key not in allowed:
-      raise ConfigError(f"unknown key in {where}; allowed: {sorted(allowed)}",
+      raise ConfigError(f"unknown key in {where}; {did_you_mean(key, allowed)}",
                         file=file, group=group, key=key_name(key))

@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 from typing import Any, Mapping
 
+from bagel_grain.config_values import did_you_mean
 from bagel_grain.errors import ConfigError
 
 log = logging.getLogger(__name__)
@@ -55,7 +56,7 @@ def flatten(raw: Mapping, *, file: str, fields: set[str]) -> tuple[dict[str, Any
         continue
       field = PATH_KEYS.get(key, key)
       if field not in fields:
-        raise ConfigError(f"unknown key under `dataset:`; allowed: {sorted(fields | PATH_KEYS.keys())}",
+        raise ConfigError(f"unknown key under `dataset:`; {did_you_mean(key, fields | PATH_KEYS.keys())}",
                           file=file, key=f"dataset.{key}")
       _put(flat, written, field, value, f"dataset.{key}", file)
   sections = {k: v for k, v in raw.items() if k in TRAINER_SECTIONS}

@@ -408,3 +408,35 @@ def test_a_fifo_where_the_config_names_a_file_is_refused_unopened(demo_dir, tmp_
     with pytest.raises(ConfigError, match=re.escape(f"{target} is a special file")):
       config_from_dict(raw, file="f.yaml", base_dir=str(tmp_path))
   assert not rescued
+
+
+TYPOS = {
+  "top_level": ("num_epoch", 1, "num_epochs", None),
+  "top_level_section": ("grouped_dataset", {}, "grouped_datasets", None),
+  "group": (f"{T2I}.wieght", 1.0, "weight", "t2i_pretrain"),
+  "family_option": (f"{VLM}.shuffle_line", True, "shuffle_lines", "vlm_sft"),
+  "family": ("grouped_datasets.t2i_pretrian", {"dataset_names": ["x"]}, "t2i_pretrain",
+             "t2i_pretrian"),
+  "dataset_info": ("dataset_info.t2i_pretrain.demo_t2i.num_totl_samples", 4, "num_total_samples",
+                   "t2i_pretrain"),
+  "transform": (f"{T2I}.image_transform_args.max_image_sise", 512, "max_image_size",
+                "t2i_pretrain"),
+}
+
+
+@pytest.mark.parametrize("dotted,value,meant,group", TYPOS.values(), ids=TYPOS.keys())
+def test_a_misspelled_key_is_answered_with_the_key_meant(root, dotted, value, meant, group):
+  raw = minimal()
+  _set(raw, dotted, value)
+  with pytest.raises(ConfigError, match=re.escape(f"did you mean `{meant}`?")) as e:
+    config_from_dict(raw, file="main.yaml", base_dir=str(root))
+  assert e.value.group == group
+  assert "allowed" not in str(e.value)  # one suggestion, not a list of every key
+
+
+def test_an_unknown_key_far_from_every_key_lists_the_allowed_ones(root):
+  raw = minimal()
+  raw["grouped_datasets"]["t2i_pretrain"]["colour"] = "red"
+  with pytest.raises(ConfigError, match="allowed: ") as e:
+    config_from_dict(raw, file="main.yaml", base_dir=str(root))
+  assert "did you mean" not in str(e.value)

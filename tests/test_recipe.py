@@ -99,10 +99,12 @@ def test_a_plain_config_logs_nothing(demo_dir, tmp_path, caplog):
 
 
 @pytest.mark.parametrize("dotted, value, message, group, key", [
-  ("dataset.max_num_token", 4096, "unknown key under `dataset:`", None, "dataset.max_num_token"),
-  ("dataset.grouped_datasets.vlm_sft.shuffle_line", True, "unknown key", "vlm_sft",
+  ("dataset.max_num_token", 4096, "unknown key under `dataset:`; did you mean `max_num_tokens`?",
+   None, "dataset.max_num_token"),
+  ("dataset.grouped_datasets.vlm_sft.shuffle_line", True, "did you mean `shuffle_lines`?", "vlm_sft",
    "shuffle_line"),
-  ("dataset.dataset_info.t2i_pretrain.demo_t2i.num_file", 2, "unknown key", "t2i_pretrain",
+  ("dataset.dataset_info.t2i_pretrain.demo_t2i.num_file", 2, "did you mean `num_files`?",
+   "t2i_pretrain",
    "num_file"),
   ("dataset.use_flex", "yes", "must be true or false", None, "dataset.use_flex"),
   ("dataloader.num_workers", 1.5, "whole number", None, "dataloader.num_workers"),
