@@ -22,9 +22,10 @@ from bagel_grain import build_pipeline
 from bagel_grain.configs import load_shipped
 from bagel_grain.errors import StateMismatchError
 from bagel_grain.jax import checkpoint_manager, restore, save
+from bagel_grain.packing import shares
 from bagel_grain.packing.shards import merge_states
 from bagel_grain.workers import fetcher
-from resume import take
+from resume import assert_same_elements, take
 
 TOOLS = Path(__file__).resolve().parents[1] / "tools"
 RECORDS = {"t2i_pretrain": 76, "unified_edit": 30, "vlm_sft": 60}  # the demo data's epoch
@@ -633,3 +634,55 @@ def test_the_same_jsonl_named_relatively_or_absolutely_is_the_same_manifest(data
   assert (dataset_manifest(relative, "jsonl", Lines()).files
           == dataset_manifest(absolute, "jsonl", Lines()).files == (("sft.jsonl", (
               data / "vlm" / "sft.jsonl").stat().st_size),))
+
+
+def test_weights_scaled_alike_restore_as_the_same_stream(data, demo_tokenizer):
+  tenths = config(data, weights={"t2i_pretrain": 0.5, "unified_edit": 0.2, "vlm_sft": 0.3})
+  whole = config(data, weights={"t2i_pretrain": 5.0, "unified_edit": 2.0, "vlm_sft": 3.0})
+  before, state = saved_after(tenths, demo_tokenizer, 3)
+  with pipeline(tenths, demo_tokenizer) as it:
+    it.set_state(state)
+    want = list(it)
+  with pipeline(whole, demo_tokenizer) as it:
+    it.set_state(state)  # no allow_changes: the same shares are the same stream
+    got = list(it)
+  assert_same_elements(got, want)
+  counts = packed(before) + packed(got)
+  assert all(n == 1 for n in counts.values()) and sum(counts.values()) == sum(RECORDS.values())
+
+
+def test_weights_whose_shares_round_apart_are_still_named(data, demo_tokenizer):
+  _, state = saved_after(config(data, weights={"t2i_pretrain": 1.0, "unified_edit": 1.0,
+                                               "vlm_sft": 1.0}), demo_tokenizer, 1)
+  # 0.3 + 0.3 + 0.3 is not 3 * 0.3 in floats: one draw's bound differs in its last bit.
+  with pipeline(config(data, weights={"t2i_pretrain": 0.3, "unified_edit": 0.3,
+                                      "vlm_sft": 0.3}), demo_tokenizer) as it:
+    with pytest.raises(StateMismatchError, match=r"t2i_pretrain.weight: saved 1.0, now 0.3"):
+      it.set_state(state)
+
+
+@pytest.mark.parametrize("saved, ours, same", [
+  ([5, 2, 3], [0.5, 0.2, 0.3], True),
+  ([1, 1, 1], [2, 2, 2], True),
+  ([1, 0, 1], [4, 0, 4], True),
+  ([1, 1, 1], [0.3, 0.3, 0.3], False),  # the set of all three rounds apart
+  ([1, 0, 1], [1, 1, 1], False),
+  ([2, 1], [1, 2], False),
+])
+def test_same_draws_compares_the_draws_cumulative_shares(saved, ours, same):
+  assert shares.same_draws(saved, ours) is same
+
+
+def test_records_appended_to_a_dataset_read_with_num_used_data_name_it(data, demo_tokenizer):
+  cfg = config(data)
+  vlm = cfg.group("vlm_sft")
+  used = dataclasses.replace(vlm, datasets=tuple(dataclasses.replace(d, num_used_data=10)
+                                                 for d in vlm.datasets))
+  cfg = dataclasses.replace(cfg, groups=tuple(used if g.name == "vlm_sft" else g
+                                              for g in cfg.groups))
+  state, manifests = saved_then_appended(cfg, data, demo_tokenizer)
+  with pipeline(cfg, demo_tokenizer) as it:
+    with pytest.raises(StateMismatchError, match=r"sft.jsonl changed size .*reads `num_used_data` "
+                                                 r"\(10\) of its records.*even with "
+                                                 "allow_changes=True"):
+      it.set_state(state, allow_changes=True, saved_manifests=manifests)

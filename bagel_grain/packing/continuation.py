@@ -219,7 +219,21 @@ def _dataset_changes(changes: Changes, group: str, dataset: str) -> str:
     found = manifest.summary_changes(summary["saved"], summary["ours"])
     if ours is not None and len(ours.files) == 1 and summary["saved"]["files"] == 1:
       found = [f"{ours.files[0][0]}: {'; '.join(found)}"]  # one file: it is the one
+  used = _num_used_data(changes, group, dataset)
+  if used is not None:
+    found = [*found, f"the dataset reads `num_used_data` ({used}) of its records, so records "
+             "appended to it are not continued over, even with allow_changes=True (which "
+             "records it reads may be others now): start a new stream (without the state) to "
+             "take them in, or leave `num_used_data` out"]
   return f"group {group!r}, " + manifest.describe(dataset, ours, found)
+
+
+def _num_used_data(changes: Changes, group: str, dataset: str) -> Any:
+  """The dataset's `num_used_data` in our config (None when unset)."""
+  for entry in changes.ours.get(f"config.groups.{group}.datasets") or ():
+    if isinstance(entry, list) and len(entry) == 3 and entry[0] == dataset:
+      return entry[1]
+  return None
 
 
 def _regrouped(stages: dict[str, Any], saved: Sequence[str],

@@ -27,6 +27,7 @@ from bagel_grain.errors import StateMismatchError
 from bagel_grain.packing.drop_policy import BadRecordLimits, DropPolicy
 from bagel_grain.workers import Fetcher
 from bagel_grain.packing.prepare import PreparedSample
+from bagel_grain.packing.shares import cumulative_shares
 from bagel_grain.packing.stage import PositionedStageIterator
 from bagel_grain.packing.state import entry, sequence, whole
 from bagel_grain.packing.stats import DrawCounts
@@ -71,10 +72,9 @@ def inline_fetcher(groups: Sequence[grain.MapDataset]) -> Fetcher:
 def draw_group(seed: int, process_index: int, draw: int, weights: Sequence[float],
                active: Sequence[bool]) -> int:
   """The group of weighted draw number `draw`, from an RNG keyed by (seed, process, draw)."""
-  w = np.where(active, weights, 0.0)
   u = np.random.default_rng([seed, _DRAW_STREAM, process_index, draw]).random()
-  cumulative = np.cumsum(w) / w.sum()
-  return int(min(np.searchsorted(cumulative, u, side="right"), len(w) - 1))
+  cumulative = cumulative_shares(weights, active)
+  return int(min(np.searchsorted(cumulative, u, side="right"), len(weights) - 1))
 
 
 @dataclasses.dataclass(frozen=True)

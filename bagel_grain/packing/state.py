@@ -21,7 +21,7 @@ import sys
 from typing import Any, Mapping, Sequence
 
 from bagel_grain.errors import StateMismatchError
-from bagel_grain.packing import continuation
+from bagel_grain.packing import continuation, shares
 from bagel_grain.sources.manifest import Manifest
 
 STATE_VERSION = 3
@@ -89,6 +89,8 @@ def opened(state: Any, identity: StreamIdentity, *, allow_changes: bool = False,
                    if saved.get(k, _ABSENT) != ours.get(k, _ABSENT)
                    and not (k not in saved and k in identity.defaults
                             and ours[k] == identity.defaults[k]))
+  changed = _weights_as_shares(changed, saved, ours, _group_names(saved_tree),
+                               _group_names(ours_tree))
   stages = {k: v for k, v in state.items() if k not in ("version", "fingerprint")}
   if not changed:
     return stages
@@ -100,6 +102,20 @@ def opened(state: Any, identity: StreamIdentity, *, allow_changes: bool = False,
 
 
 _ABSENT = object()
+
+
+def _weights_as_shares(changed: list[str], saved: Mapping[str, Any], ours: Mapping[str, Any],
+                       saved_groups: list[str], our_groups: list[str]) -> list[str]:
+  """`changed` less the groups' weights when only their scale changed (`packing.shares`)."""
+  keys = [f"config.groups.{g}.weight" for g in our_groups]
+  if saved_groups != our_groups or not set(keys) & set(changed):
+    return changed
+  weights = [[side.get(k) for k in keys] for side in (saved, ours)]
+  if not all(isinstance(w, (int, float)) and not isinstance(w, bool)
+             for side in weights for w in side):
+    return changed  # a damaged or missing weight: named as a change
+  same = shares.same_draws(*weights)
+  return [k for k in changed if k not in keys] if same else changed
 
 
 def _group_names(fingerprint: Mapping[str, Any]) -> list[str]:
