@@ -175,3 +175,30 @@ def test_an_unregistered_family_is_refused_by_name(demo_dir):
              dataset_info={"caption_sft": {"c": {"data_dir": str(demo_dir)}}})
   with pytest.raises(ConfigError, match="unknown dataset family.*vlm_sft"):
     config_from_dict(raw, base_dir=str(CONFIGS))
+
+
+def _with_num_used(cfg, group_name, used):
+  group = cfg.group(group_name)
+  datasets = tuple(dataclasses.replace(d, num_used_data=used) for d in group.datasets)
+  return dataclasses.replace(cfg, groups=tuple(
+      dataclasses.replace(g, datasets=datasets) if g.name == group_name else g
+      for g in cfg.groups))
+
+
+def test_num_used_data_above_the_file_count_warns_once_with_the_repetition(demo_config, caplog):
+  cfg = _with_num_used(demo_config, "t2i_pretrain", 40)  # the demo's T2I folder: 2 files
+  with caplog.at_level("WARNING", logger="bagel_grain.families.family"):
+    first = group_source(cfg, 0)
+    group_source(cfg, 0)  # built again (another pipeline, another shard): no second warning
+  [warning] = caplog.records
+  assert ("group 't2i_pretrain', dataset 'demo_t2i': num_used_data 40 is above its 2 parquet "
+          "files") in warning.getMessage()
+  assert "each record is read about 20x per epoch" in warning.getMessage()
+  assert len(first) == 20 * len(group_source(demo_config, 0))  # what it warns of
+
+
+@pytest.mark.parametrize("used", [None, 1, 2])
+def test_num_used_data_up_to_the_file_count_is_silent(demo_config, caplog, used):
+  with caplog.at_level("WARNING", logger="bagel_grain.families.family"):
+    group_source(_with_num_used(demo_config, "t2i_pretrain", used), 0)
+  assert not caplog.records

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import logging
 from typing import TYPE_CHECKING, Any, Callable, ClassVar, Mapping
 
+from bagel_grain import fs
 from bagel_grain.drops import DropReason
 from bagel_grain.errors import DatasetError
 from bagel_grain.families.base import FamilyTransform
@@ -17,6 +19,9 @@ from bagel_grain.sources.parquet import dataset_source as parquet_dataset
 
 if TYPE_CHECKING:
   from bagel_grain.config import DatasetSpec, GroupConfig
+
+log = logging.getLogger(__name__)
+_WARNED_REPEATS: set[tuple[str, str, str, int]] = set()
 
 
 class RecordFormat(enum.StrEnum):
@@ -115,9 +120,12 @@ class Family:
     if kind is RecordFormat.JSONL:
       return JsonlLineSource(dataset.jsonl_path, num_used=dataset.num_used_data,
                              shuffle_lines=group.shuffle_lines, shuffle_seed=group.shuffle_seed)
-    return parquet_dataset(dataset.data_dir, dataset.num_used_data, self.columns,
-                           dataset.parquet_info_path, readers=readers,
-                           cache_bytes=row_group_cache_bytes, max_cell_bytes=max_image_bytes)
+    source = parquet_dataset(dataset.data_dir, dataset.num_used_data, self.columns,
+                             dataset.parquet_info_path, readers=readers,
+                             cache_bytes=row_group_cache_bytes, max_cell_bytes=max_image_bytes)
+    if dataset.num_used_data is not None:
+      _warn_repeated_files(group.name, dataset)
+    return source
 
   def make_transform(self, config: GroupConfig, /, **common: Any) -> FamilyTransform:
     """The group's transform; `common` holds what every family takes (`group` its index)."""
@@ -137,3 +145,20 @@ def _converted_source(dataset: DatasetSpec) -> ArrayRecordSource:
         "finish or its folder changed since: run `bagel-grain convert` again",
         file=dataset.array_record_path, field="num_total_samples")
   return source
+
+
+def _warn_repeated_files(group: str, dataset: DatasetSpec) -> None:
+  """Warns once per process when a parquet dataset's `num_used_data` is above its file
+  count: upstream repeats the file list to that many files, so each record is read
+  several times an epoch (kept for parity; rarely what a user meant)."""
+  files = len(fs.list_files(dataset.data_dir, ".parquet"))
+  used = dataset.num_used_data
+  key = (group, dataset.name, dataset.data_dir, used)
+  if not files or used <= files or key in _WARNED_REPEATS:
+    return
+  _WARNED_REPEATS.add(key)
+  log.warning("group %r, dataset %r: num_used_data %d is above its %d parquet files in %s; "
+              "as upstream does, the file list is repeated to %d files, so each record is "
+              "read about %.3gx per epoch. Leave num_used_data out to read every record once "
+              '(docs/configuration.md, "How much of a dataset is read")', group, dataset.name,
+              used, files, dataset.data_dir, used, used / files)
