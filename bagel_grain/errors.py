@@ -37,6 +37,10 @@ class StateMismatchError(BagelGrainError):
   """A saved iterator state belongs to a differently shaped stream."""
 
 
+class StreamEndedError(BagelGrainError):
+  """A finite stream (`num_epochs`) ended before the row a command asked for."""
+
+
 class UnsupportedOperationError(BagelGrainError, TypeError):
   """A Grain operation that cannot apply to the packed stream; says what to use instead."""
 

@@ -255,3 +255,32 @@ def test_fresh_sample_data_gives_a_quiet_demo(tmp_path):
                          "--workers", "0"], env=env, capture_output=True, text=True,
                         timeout=300, check=True)
   assert "WARNING" not in demo.stderr and "no sidecar index" not in demo.stderr
+
+
+@pytest.fixture
+def one_epoch_yaml(demo_yaml):
+  """The demo config as a finite stream: one epoch (the demo data packs into a few dozen rows)."""
+  raw = yaml.safe_load(demo_yaml.read_text())
+  raw["num_epochs"] = 1
+  demo_yaml.write_text(yaml.safe_dump(raw))
+  return demo_yaml
+
+
+def test_demo_past_the_end_of_a_finite_stream_reports_what_it_packed(one_epoch_yaml, capsys):
+  assert cli.main(["demo", "--config", str(one_epoch_yaml), "--batches", "1000"]) == 0
+  out = capsys.readouterr().out
+  rows = int(out.split("the stream ended after ")[1].split()[0])
+  assert f"the stream ended after {rows} rows (num_epochs: 1), before the 1000 batches" in out
+  assert f"{rows} rows of L=" in out
+  drawn = out.split("accounting: drawn ")[1].split()
+  d, p, x, b, c = (int(drawn[i]) for i in (0, 3, 6, 9, 12))
+  assert (d, b, c) == (p + x, 0, 0) and p + x == 76 + 30 + 60  # the epoch, all of it
+
+
+def test_inspect_past_the_end_of_a_finite_stream_says_where_it_ended(one_epoch_yaml, tmp_path,
+                                                                      capsys):
+  assert cli.main(["inspect", "--config", str(one_epoch_yaml), "--index", "1000",
+                   "--out", str(tmp_path / "row.png")]) == 1
+  err = capsys.readouterr().err
+  assert "error: the stream ended after " in err and "rows (num_epochs: 1), before row 1000" in err
+  assert "StopIteration" not in err and not (tmp_path / "row.png").exists()

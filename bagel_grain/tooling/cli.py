@@ -58,6 +58,7 @@ def _demo(args) -> int:
 
   from bagel_grain.pipeline import build_pipeline, pipeline_stats
   from bagel_grain.tokenizer import load_tokenizer
+  from bagel_grain.tooling.inspect_row import stream_ended
 
   cfg = _config(args)
   tokenizer = load_tokenizer(cfg.tokenizer_path)
@@ -66,10 +67,14 @@ def _demo(args) -> int:
   fills, shares = [], collections.Counter()
   text_tokens = vit_tokens = vae_tokens = 0
   start = time.perf_counter()
-  first = None
+  first, ended, L = None, False, 0
   try:
     for _ in tqdm(range(args.batches), desc="packing", unit="batch", file=sys.stderr):
-      batch = next(it)
+      try:
+        batch = next(it)
+      except StopIteration:
+        ended = True
+        break
       first = first or time.perf_counter() - start
       L = batch["text_ids"].shape[1]
       fills.extend((batch["num_tokens"] / L).tolist())
@@ -85,10 +90,14 @@ def _demo(args) -> int:
     it.close()
 
   rows = len(fills)
-  print(f"{rows} rows of L={L} in {elapsed:.1f} s ({rows / elapsed:.2f} rows/s); "
-        f"first batch {first:.2f} s")
-  print(f"fill (real tokens / L): mean {np.mean(fills):.3f}, min {np.min(fills):.3f}, "
-        f"max {np.max(fills):.3f}")
+  if ended:
+    print(f"{stream_ended(rows, cfg.num_epochs)}, before the {args.batches} batches asked "
+          "for; what it packed:")
+  if rows:
+    print(f"{rows} rows of L={L} in {elapsed:.1f} s ({rows / elapsed:.2f} rows/s); "
+          f"first batch {first:.2f} s")
+    print(f"fill (real tokens / L): mean {np.mean(fills):.3f}, min {np.min(fills):.3f}, "
+          f"max {np.max(fills):.3f}")
   print(f"tokens/s: {(text_tokens + vit_tokens + vae_tokens) / elapsed:,.0f} "
         f"(text {text_tokens:,}, ViT {vit_tokens:,}, VAE {vae_tokens:,})")
   weights = {g.name: g.weight for g in cfg.groups}
@@ -97,7 +106,7 @@ def _demo(args) -> int:
   for name, w in weights.items():
     n = shares[name]
     dropped = sum(stats["drops"][name].values())
-    print(f"{name:16s} {w / total_w:12.3f}  {n / total_s:12.3f}  {n / elapsed:9.1f}  "
+    print(f"{name:16s} {w / total_w:12.3f}  {n / max(total_s, 1):12.3f}  {n / elapsed:9.1f}  "
           f"{dropped:7d}  {stats['epoch'][name]:5d}")
   print("\ndrops by reason:", dict(stats["drops_by_reason"]) or "none")
   notes = {g: dict(n) for g, n in stats["notes"].items() if n}

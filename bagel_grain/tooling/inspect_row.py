@@ -19,6 +19,7 @@ import numpy as np
 from PIL import Image, ImageDraw, ImageFont
 
 from bagel_grain.config import PipelineConfig
+from bagel_grain.errors import StreamEndedError
 from bagel_grain.packing.attention import row_mask
 from bagel_grain.packed_row import MODE_NAMES
 
@@ -246,6 +247,11 @@ def inspect_row(row: dict[str, Any], out_png: str, *, vit_patch_size: int,
   return summarize_row(row)
 
 
+def stream_ended(rows: int, num_epochs: int | None) -> str:
+  """How a command says a finite stream ran out."""
+  return f"the stream ended after {rows} rows (num_epochs: {num_epochs})"
+
+
 def inspect_pipeline_row(cfg: PipelineConfig, out_png: str, *, index: int = 0,
                          seed: int | None = None, workers: int = 0) -> str:
   """`bagel-grain inspect`: the `index`-th packed row (0-based) of the config's stream
@@ -257,8 +263,13 @@ def inspect_pipeline_row(cfg: PipelineConfig, out_png: str, *, index: int = 0,
   it = iter(build_pipeline(cfg, load_tokenizer(cfg.tokenizer_path), seed=seed, batch_size=1,
                            workers=workers))
   try:
-    for _ in range(index + 1):
-      batch = next(it)
+    for rows in range(index + 1):
+      try:
+        batch = next(it)
+      except StopIteration:
+        raise StreamEndedError(f"{stream_ended(rows, cfg.num_epochs)}, before row {index} "
+                               f"(0-based): ask for an index below {rows}, or raise "
+                               "num_epochs") from None
   finally:
     it.close()
   row = {name: value[0] for name, value in batch.items()}
