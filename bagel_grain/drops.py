@@ -71,6 +71,9 @@ class Note(enum.StrEnum):
 
   EMPTY_CAPTION = "empty_caption"  # a T2I row without caption: an unconditional sample
   UNUSED_IMAGES = "unused_images"  # a VLM line listing more images than it places
+  # A VLM line with more `<image>` placeholders than images: the extra ones are removed
+  # from the text, as upstream removes them.
+  UNFILLED_PLACEHOLDERS = "unfilled_placeholders"
 
 
 RECORD_REASONS = frozenset({DropReason.UNREADABLE_FILE, DropReason.CORRUPT_RECORD})

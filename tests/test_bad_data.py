@@ -236,6 +236,7 @@ def _vlm(corpus: Corpus, demo_dir: Path, tokenizer) -> None:
   (data / "sft.jsonl").write_text("".join(text + "\n" for _, text in rows))
   _account(corpus, "vlm_sft", "demo_vlm", [(f"sft.jsonl:{i + 1}", r[0]) for i, r in enumerate(rows)])
   corpus.notes["vlm_sft"]["unused_images"] += 2  # the demo's rows with extra images
+  corpus.notes["vlm_sft"]["unfilled_placeholders"] += 2  # ... and with extra `<image>`s
 
 
 def _account(corpus: Corpus, group: str, folder: str, labelled) -> None:

@@ -63,7 +63,8 @@ def test_vlm_plans_follow_the_conversation(demo_epoch, demo_config, demo_tokeniz
       placeholders = sum(t["value"].count("<image>") for t in row["conversations"]
                          if t["from"] == "human")
       assert vit == min(placeholders, len(listed))
-      assert sample.notes == (("unused_images",) if placeholders < len(listed) else ())
+      assert sample.notes == (("unused_images",) if placeholders < len(listed) else
+                              ("unfilled_placeholders",) if placeholders > len(listed) else ())
     else:
       kinds.add("text")
       assert vit == 0
@@ -105,14 +106,17 @@ def texts(sample, tokenizer):
   return [tokenizer.decode(ids) for ids in sample.text_ids]
 
 
-def test_vlm_extra_placeholders_are_ignored(vlm, demo_tokenizer):
+def test_vlm_extra_placeholders_are_removed_and_counted(vlm, demo_tokenizer):
   sample = vlm({"image": "a.png",
                 "conversations": conversation("<image>\n<image>\nCompare the two pictures.",
                                               "There is only one.")})
   assert shape(sample) == [("vit_image", 0, 0), ("text", 0, 0), ("text", 0, 1)]
   assert texts(sample, demo_tokenizer) == ["Compare the two pictures.", "There is only one."]
   assert sample.images[0].shape == (112, 112, 3)  # img_num 1: fits max_pixels
-  assert sample.notes == ()
+  assert sample.notes == ("unfilled_placeholders",)
+  text_only = vlm({"conversations": conversation("<image>\nWhat is this?", "Nothing.")})
+  assert shape(text_only) == [("text", 0, 0), ("text", 0, 1)]
+  assert text_only.notes == ("unfilled_placeholders",)
 
 
 def test_vlm_images_beyond_the_placeholders_are_never_opened(vlm):

@@ -40,7 +40,8 @@ def test_the_state_layout_holds_every_group_reason_and_note():
     assert list(state["notes"][name]) == [n.value for n in Note]
   vlm = dict(zip(state["drop_reasons"], state["drops"]["vlm"]))
   assert vlm["bad_json"] == 1 and sum(vlm.values()) == 1
-  assert state["notes"]["t2i"] == {"empty_caption": 1, "unused_images": 0}
+  assert state["notes"]["t2i"] == {"empty_caption": 1, "unused_images": 0,
+                                   "unfilled_placeholders": 0}
   assert stats.report(state)["drops"] == SPARSE["drops"]  # reports stay sparse
 
 

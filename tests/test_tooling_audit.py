@@ -106,3 +106,32 @@ def test_without_matplotlib_the_audit_prints_and_writes_its_json(demo_dir, tmp_p
   report = json.loads((out.parent / "audit.json").read_text())
   assert all(g["records"] == 4 for g in report["groups"].values())
   assert not (out.parent / "audit.png").exists()
+
+
+def test_the_audit_counts_the_notes_the_loader_counts(demo_config, demo_tokenizer):
+  report = _report(demo_config, demo_tokenizer)
+  stats, _ = _loader_epoch(demo_config, demo_tokenizer)
+  vlm = report["groups"]["vlm_sft"]
+  # The demo's VLM lines: two list more images than `<image>`s, two more `<image>`s than images.
+  assert vlm["notes"] == dict(stats["notes"]["vlm_sft"]) == {"unfilled_placeholders": 2,
+                                                             "unused_images": 2}
+  assert report["groups"]["t2i_pretrain"]["notes"] == dict(stats["notes"]["t2i_pretrain"])
+  assert "unfilled_placeholders: 2, unused_images: 2" in audit.summary(report)
+  merged = audit.audit_in_process(demo_config, demo_tokenizer)  # as Beam hands them back
+  again = {k: audit.Audit.from_state(a.state()) for k, a in merged.items()}
+  assert again[("vlm_sft", "demo_vlm")].notes == merged[("vlm_sft", "demo_vlm")].notes
+
+
+def test_the_audit_models_a_finite_stream_by_its_num_epochs(demo_config, demo_tokenizer):
+  endless = audit.summary(_report(demo_config, demo_tokenizer))
+  assert "an endless stream (num_epochs unset); rows until every group did one epoch" in endless
+  for epochs in (1, 2):
+    cfg = dataclasses.replace(demo_config, num_epochs=epochs)
+    report = _report(cfg, demo_tokenizer)
+    stream = report["run_estimate"]["stream"]
+    with iter(build_pipeline(cfg, demo_tokenizer, batch_size=1, workers=0)) as it:
+      rows = sum(1 for _ in it)
+    assert stream["ends"] and stream["num_epochs"] == epochs
+    assert abs(stream["rows"] - rows) <= max(1, rows // 10), (stream["rows"], rows)
+    assert (f"the stream ends after about {stream['rows']:,} rows (num_epochs: {epochs})"
+            in audit.summary(report))

@@ -48,8 +48,15 @@ def listed_images(row: dict) -> list[Any]:
 
 def plan_turns(conversations, num_images: int) -> tuple[list[PlanItem], list[str]]:
   """Plan items and texts of the turns; an image item per `<image>` while images remain."""
+  plan, texts, _ = placed_turns(conversations, num_images)
+  return plan, texts
+
+
+def placed_turns(conversations, num_images: int) -> tuple[list[PlanItem], list[str], int]:
+  """`plan_turns`, and how many `<image>` placeholders found no image (removed, as upstream
+  removes them)."""
   require(isinstance(conversations, list), DropReason.WRONG_TYPE, "conversations is not a list")
-  plan, texts, images_left = [], [], num_images
+  plan, texts, images_left, unfilled = [], [], num_images, 0
   for turn in conversations:
     require(isinstance(turn, dict), DropReason.WRONG_TYPE, "a turn is not an object")
     role, value = turn.get("from"), turn.get("value")
@@ -64,13 +71,16 @@ def plan_turns(conversations, num_images: int) -> tuple[list[PlanItem], list[str
         if piece.strip():
           plan.append(PROMPT)
           texts.append(piece.strip())
-        if i < len(pieces) - 1 and images_left > 0:  # extra placeholders are ignored
-          plan.append(IMAGE)
-          images_left -= 1
+        if i < len(pieces) - 1:
+          if images_left > 0:
+            plan.append(IMAGE)
+            images_left -= 1
+          else:  # extra placeholders are removed from the text, as upstream does
+            unfilled += 1
     elif role == "gpt":
       plan.append(ANSWER)
       texts.append(value)
-  return plan, texts
+  return plan, texts, unfilled
 
 
 def _located(files: FileStore, listed: list[Any]) -> list[str]:
@@ -157,11 +167,12 @@ class VLMTransform(FamilyTransform):
     notes: tuple[str, ...] = ()
     if "image" in row:  # a row with both uses `image`, as upstream
       images = _located(files, listed_images(row))
-      plan, texts = plan_turns(conversations, len(images))
+      plan, texts, unfilled = placed_turns(conversations, len(images))
       require(any(item.loss for item in plan), DropReason.NO_LOSS_ITEM)
       self.check_text_length(texts)
       used = sum(item.type == "vit_image" for item in plan)
-      notes = (Note.UNUSED_IMAGES,) if used < len(images) else ()
+      notes = ((Note.UNUSED_IMAGES,) if used < len(images) else
+               (Note.UNFILLED_PLACEHOLDERS,) if unfilled else ())
       text_ids = tuple(self.tokenize(texts))
       pixels = self._image_pixels(files, images[:used], len(images), plan, text_ids)
     elif "video" in row:
@@ -181,8 +192,9 @@ class VLMTransform(FamilyTransform):
       text_ids = tuple(self.tokenize(texts))
       pixels = self._frame_pixels(files, frames, num_frames)
     else:
-      plan, texts = plan_turns(conversations, 0)
+      plan, texts, unfilled = placed_turns(conversations, 0)
       require(any(item.loss for item in plan), DropReason.NO_LOSS_ITEM)
+      notes = (Note.UNFILLED_PLACEHOLDERS,) if unfilled else ()
       self.check_text_length(texts)
       text_ids = tuple(self.tokenize(texts))
       pixels = []

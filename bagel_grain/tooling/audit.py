@@ -139,6 +139,8 @@ class Audit:
   records: int = 0
   packable: int = 0
   drops: collections.Counter = dataclasses.field(default_factory=collections.Counter)
+  # `Note`s of the samples made (e.g. a VLM line whose `<image>` count differs from its images)
+  notes: collections.Counter = dataclasses.field(default_factory=collections.Counter)
   examples: dict = dataclasses.field(default_factory=dict)  # reason -> smallest record ids
   tokens: dict = dataclasses.field(
       default_factory=lambda: {k: Distribution() for k in TOKEN_KINDS})
@@ -153,6 +155,7 @@ class Audit:
     self.records += other.records
     self.packable += other.packable
     self.drops.update(other.drops)
+    self.notes.update(other.notes)
     for reason, ids in other.examples.items():
       self.examples[reason] = sorted([*self.examples.get(reason, []), *ids])[:EXAMPLES]
     for mine, theirs in ((self.tokens, other.tokens), (self.images, other.images)):
@@ -162,14 +165,14 @@ class Audit:
 
   def state(self) -> dict[str, Any]:
     return {"records": self.records, "packable": self.packable, "drops": dict(self.drops),
-            "examples": self.examples,
+            "notes": dict(self.notes), "examples": self.examples,
             "tokens": {k: d.state() for k, d in self.tokens.items()},
             "images": {k: d.state() for k, d in self.images.items()}}
 
   @classmethod
   def from_state(cls, state: dict[str, Any]) -> Audit:
     return cls(state["records"], state["packable"], collections.Counter(state["drops"]),
-               state["examples"],
+               collections.Counter(state["notes"]), state["examples"],
                {k: Distribution.from_state(d) for k, d in state["tokens"].items()},
                {k: Distribution.from_state(d) for k, d in state["images"].items()})
 
@@ -178,6 +181,7 @@ class Audit:
             "dropped": sum(self.drops.values()),
             "drops": {r: {"count": n, "examples": self.examples[r]}
                       for r, n in sorted(self.drops.items())},
+            "notes": dict(sorted(self.notes.items())),
             "tokens_per_sample": {k: d.report() for k, d in self.tokens.items()},
             "image_sizes": {k: d.report() for k, d in self.images.items()}}
 
@@ -294,6 +298,7 @@ def run_task(epochs: GroupEpochs, task: AuditTask) -> list[tuple[tuple[str, str]
       audit.drop(str(reason), record)
     else:
       audit.packable += 1
+      audit.notes.update(str(n) for n in element.notes)  # as the loader counts: usable only
       _count_tokens(audit, element)
     for before, after in observed.images.pop(i, []):
       if before is not None:
@@ -352,6 +357,7 @@ def estimate_run(cfg, groups: dict[str, Audit], sampled: dict[str, float]) -> di
           for n in mean_size if share[n] > 0}
   longest = max(rows.values())
   return {
+      "stream": _stream_model(cfg, groups, sampled, row_tokens),
       "model": "greedy packing to expected_num_tokens; groups drawn by weight share",
       "expected_num_tokens": cfg.expected_num_tokens, "max_num_tokens": cfg.max_num_tokens,
       "mean_packed_size": s, "samples_per_row": per_row,
@@ -361,6 +367,20 @@ def estimate_run(cfg, groups: dict[str, Audit], sampled: dict[str, float]) -> di
                      longest / rows[n]} for n in rows},
       "rows_until_every_group_did_one_epoch": longest,
   }
+
+
+def _stream_model(cfg, groups: dict[str, Audit], sampled: dict[str, float],
+                  row_tokens: float) -> dict[str, Any]:
+  """How long the configured stream is: endless without `num_epochs`; else every group's
+  packable samples `num_epochs` times over, packed about `row_tokens` a row (a group that
+  ran out leaves the rows to the others, so the run ends with the tokens, not the longest
+  group), plus the last row, part full."""
+  if cfg.num_epochs is None:
+    return {"num_epochs": None, "ends": False}
+  tokens = cfg.num_epochs * sum(a.tokens["packed"].total * sampled[n] for n, a in groups.items())
+  samples = cfg.num_epochs * sum(a.packable * sampled[n] for n, a in groups.items())
+  return {"num_epochs": cfg.num_epochs, "ends": True, "samples": samples,
+          "rows": math.floor(tokens / row_tokens) + 1}
 
 
 def build_report(cfg, merged: dict[tuple[str, str], Audit], *, sample: int | None,
@@ -403,11 +423,18 @@ def summary(report: dict[str, Any]) -> str:
                  f"{q('packed', 'p99'):>10s}")
     for reason, d in g["drops"].items():
       lines.append(f"  {reason}: {d['count']} (e.g. {d['examples'][0]})")
+    if g.get("notes"):
+      lines.append("  notes (samples kept, as upstream keeps them): " + ", ".join(
+          f"{note}: {n}" for note, n in g["notes"].items()))
   run = report["run_estimate"]
   if "groups" in run:
+    stream = run["stream"]
+    length = (f"the stream ends after about {stream['rows']:,} rows "
+              f"(num_epochs: {stream['num_epochs']})" if stream["ends"] else
+              "an endless stream (num_epochs unset); rows until every group did one epoch: "
+              f"{run['rows_until_every_group_did_one_epoch']:,.0f}")
     lines.append(f"run: fill {run['expected_fill']:.3f}, {run['samples_per_row']:.2f} samples "
-                 f"per row; rows until every group did one epoch: "
-                 f"{run['rows_until_every_group_did_one_epoch']:,.0f}")
+                 f"per row; {length}")
     lines.append("  " + ", ".join(f"{n}: {g['rows_per_epoch']:,.0f} rows/epoch, "
                                   f"{g['epochs_when_the_longest_ends']:.2f} epochs"
                                   for n, g in run["groups"].items()))
