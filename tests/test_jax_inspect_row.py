@@ -5,9 +5,11 @@ from __future__ import annotations
 import dataclasses
 
 import numpy as np
+import pytest
 from PIL import Image
 
-from bagel_grain.tooling.inspect_row import LEGEND, inspect_row, vae_images, vit_images
+from bagel_grain.tooling.inspect_row import (LEGEND, axis_ticks, inspect_row, vae_images,
+                                            vit_images)
 from bagel_grain.packing.layout import patchify
 from bagel_grain.packing.positions import flattened_position_ids
 from bagel_grain.pipeline import build_pipeline
@@ -100,3 +102,19 @@ def test_a_causal_split_is_drawn_as_a_triangle(tmp_path):
   # one image line for each width from a few pixels up to the whole split.
   widths = set(per_line[per_line > 0].tolist())
   assert len(widths) >= 40 and max(widths) >= 70
+
+
+@pytest.mark.parametrize("length, cols, ticks", [
+  (1536, 768, [(0, 0), (192, 384), (384, 768), (576, 1152), (768, 1536)]),
+  (2048, 768, [(0, 0), (192, 512), (384, 1024), (576, 1536), (768, 2048)]),
+  (300, 300, [(0, 0), (75, 75), (150, 150), (225, 225), (300, 300)]),
+])
+def test_mask_axis_ticks_are_labelled_with_round_positions(length, cols, ticks):
+  at = (np.arange(cols) * length) // cols  # the position each column shows, as inspect_row
+  assert axis_ticks(at, length) == ticks
+  assert all(at[pixel] == position for pixel, position in ticks[:-1])  # shown where labelled
+
+
+def test_an_enlarged_span_ticks_the_first_pixel_of_each_position():
+  at = 100 + (np.arange(40) * 8) // 40  # positions 100..107, five pixels each
+  assert axis_ticks(at, 108) == [(0, 100), (10, 102), (20, 104), (30, 106), (40, 108)]

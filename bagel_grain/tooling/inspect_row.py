@@ -146,22 +146,37 @@ def _legend(draw, font, x0: int, top: int, width: int) -> int:
   return y + _BAND_H - top
 
 
-def _mask_panel(canvas, draw, font, picture: np.ndarray, positions: np.ndarray, top: int,
-                title: str) -> int:
+def axis_ticks(positions: np.ndarray, end: int) -> list[tuple[int, int]]:
+  """(pixel, position) of an axis's 5 ticks: the span's start and quarters, each at the
+  pixel showing it, and its end (`end`, one past the last position) at the picture's edge.
+  `positions[i]` is the first position pixel i shows. Labels are the round positions
+  (1152, 1536 for a row of 1536), not what a sampled pixel happens to show."""
+  first = int(positions[0])
+  quarters = [first + k * (end - first) // 4 for k in range(4)]
+  # The first pixel showing the position (an enlarged span shows it on several), else the
+  # pixel whose sampled range holds it.
+  left = np.searchsorted(positions, quarters, side="left")
+  right = np.searchsorted(positions, quarters, side="right") - 1
+  return [(int(a if a < len(positions) and positions[a] == p else b), p)
+          for a, b, p in zip(left, right, quarters)] + [(len(positions), end)]
+
+
+def _mask_panel(canvas, draw, font, picture: np.ndarray, positions: np.ndarray, end: int,
+                top: int, title: str) -> int:
   """The mask picture at (_LABEL_W, top + 14) under its title, with position axes
-  (ticks at the positions the pixels show); returns the height used."""
+  (`axis_ticks`); returns the height used."""
   size = picture.shape[0]
   draw.text((_LABEL_W, top), title, fill=(0, 0, 0), font=font)
   top += 14
   canvas.paste(Image.fromarray(picture), (_LABEL_W, top))
   draw.rectangle((_LABEL_W - 1, top - 1, _LABEL_W + size, top + size), outline=(0, 0, 0))
-  for i in np.linspace(0, size - 1, 5).round().astype(int):
-    label = str(int(positions[i]))
+  for i, position in axis_ticks(positions, end):
+    label = str(position)
     draw.line((_LABEL_W - 4, top + i, _LABEL_W - 1, top + i), fill=(0, 0, 0))
     draw.text((_LABEL_W - 6, top + i), label, fill=(0, 0, 0), font=font, anchor="rm")
     draw.line((_LABEL_W + i, top + size, _LABEL_W + i, top + size + 3), fill=(0, 0, 0))
     draw.text((_LABEL_W + i, top + size + 4), label, fill=(0, 0, 0), font=font,
-              anchor="ma" if 0 < i < size - 1 else "la" if i == 0 else "ra")
+              anchor="ma" if 0 < i < size else "la" if i == 0 else "ra")
   draw.text((2, top + size // 2 + 12), "query", fill=(90, 90, 90), font=font)
   draw.text((_LABEL_W + size // 2, top + size + 16), "key position", fill=(90, 90, 90),
             font=font, anchor="ma")
@@ -230,14 +245,15 @@ def inspect_row(row: dict[str, Any], out_png: str, *, vit_patch_size: int,
     draw.text((2, top), name, fill=(0, 0, 0), font=font)
   _legend(draw, font, _LABEL_W, len(bands) * (_BAND_H + 2), total_w - _LABEL_W)
   top = bands_h + _GAP
-  top += _mask_panel(canvas, draw, font, mask_rgb.astype(np.uint8), at, top,
+  top += _mask_panel(canvas, draw, font, mask_rgb.astype(np.uint8), at, length, top,
                      "attention mask of the row (query down, key across), coloured by "
                      "sample") + _GAP
   box = [int(np.searchsorted(at, p)) for p in (inside[0], inside[-1] + 1)]
   mask_top = bands_h + _GAP + 14
   draw.rectangle((_LABEL_W + box[0], mask_top + box[0], _LABEL_W + box[1],
                   mask_top + box[1]), outline=(0, 0, 0))
-  top += _mask_panel(canvas, draw, font, zoom_rgb.astype(np.uint8), zoom_at, top,
+  top += _mask_panel(canvas, draw, font, zoom_rgb.astype(np.uint8), zoom_at, inside[-1] + 1,
+                     top,
                      f"sample {zoomed} (positions {inside[0]}..{inside[-1]}, boxed above), "
                      "coloured by the key's split mode") + _GAP
   for name, im, x, y in thumb_rows:
