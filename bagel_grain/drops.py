@@ -29,6 +29,10 @@ class DropReason(enum.StrEnum):
   # A family could not parse the record.
   WRONG_TYPE = "wrong_type"
   BAD_JSON = "bad_json"
+  # An empty (or whitespace-only) JSONL line. Upstream's reader keeps it as a line (it
+  # counts for `num_used_data` and the shuffle) and skips it when it fails to parse; so
+  # do we, under its own name. It does not count as bad in the `max_bad_ratio` window.
+  BLANK_LINE = "blank_line"
   BAD_TURN = "bad_turn"
   NO_LOSS_ITEM = "no_loss_item"
   BAD_CAPTION = "bad_caption"

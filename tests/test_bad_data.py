@@ -213,7 +213,7 @@ def _vlm(corpus: Corpus, demo_dir: Path, tokenizer) -> None:
                                      conversations=_turns("<video>\nWhat happens?"))),
       ("bad_json", "not json"),
       ("bad_json", '["a", "list"]'),
-      ("bad_json", ""),  # a blank line is a record too (upstream's readlines)
+      ("blank_line", ""),  # a blank line is a record too (upstream's readlines), named
       ("bad_json", '{"image": "images/img_000.png", "conversations": ['),
       ("wrong_type", line(image=5, conversations=_turns())),
       ("wrong_type", line(image="images/img_000.png", conversations="hello")),
@@ -327,7 +327,7 @@ def test_one_epoch_counts_every_injected_record_under_its_reason(corpus, demo_di
   assert set(stats["drops_by_reason"]) == {
       "bad_image", "too_many_pixels", "truncated_image", "missing_file", "path_outside_data_dir",
       "bad_json", "wrong_type", "bad_caption", "bad_edit_lists", "bad_turn", "no_loss_item",
-      "over_max_tokens_per_sample", "video_unreadable", "no_video_placeholder"}
+      "over_max_tokens_per_sample", "video_unreadable", "no_video_placeholder", "blank_line"}
 
 
 def test_corpus_with_workers_gives_the_same_counts_and_rows(corpus, demo_dir, demo_tokenizer):
@@ -393,6 +393,37 @@ def test_a_mostly_bad_group_stops_naming_group_file_and_reasons(tmp_path, demo_d
     for _ in range(200):
       next(it)
   it.close()
+
+
+
+def _vlm_only_config(demo_dir, jsonl, **fields):
+  raw = yaml.safe_load((CONFIGS / "demo.yaml").read_text())
+  raw["grouped_datasets"] = {"vlm_sft": raw["grouped_datasets"]["vlm_sft"]}
+  raw.update(dataset_info={"vlm_sft": {"demo_vlm": {"data_dir": str(demo_dir / "vlm"),
+                                                    "jsonl_path": str(jsonl)}}},
+             tokenizer_path=str(demo_dir / "tokenizer"), **fields)
+  return config_from_dict(raw, file="blank-lines", base_dir=str(CONFIGS))
+
+
+def test_blank_lines_are_skipped_by_name_and_do_not_stop_the_group(tmp_path, demo_dir,
+                                                                  demo_tokenizer):
+  good = (demo_dir / "vlm" / "sft.jsonl").read_text().splitlines()[:20]
+  gap = "\n" * 30 + "   \r\n"  # 31 blank lines after each record, one of spaces
+  (tmp_path / "sft.jsonl").write_text("".join(line + "\n" + gap for line in good))
+  cfg = _vlm_only_config(demo_dir, tmp_path / "sft.jsonl", num_epochs=1)
+  with iter(build_pipeline(cfg, demo_tokenizer, batch_size=1, workers=0)) as it:
+    packed = [k for batch in it for keys in batch["sample_keys"] for k in keys]
+    stats = pipeline_stats(it)
+  assert len(packed) == len(good)  # every record, though 31 of each 32 lines are blank
+  assert dict(stats["drops"]["vlm_sft"]) == {"blank_line": 31 * len(good)}
+
+
+def test_a_file_of_blank_lines_stops_naming_them(tmp_path, demo_dir, demo_tokenizer):
+  (tmp_path / "sft.jsonl").write_text("\n" * 500)
+  cfg = _vlm_only_config(demo_dir, tmp_path / "sft.jsonl", max_consecutive_drops=100)
+  with iter(build_pipeline(cfg, demo_tokenizer, batch_size=1, workers=0)) as it:
+    with pytest.raises(GroupExhaustedError, match=r"blank_line: 100.*remove the blank lines"):
+      next(it)
 
 
 BOMB_CHILD = textwrap.dedent("""

@@ -32,7 +32,10 @@ ANSWER = PlanItem("text", enable_cfg=0, loss=1)
 
 
 def parse_row(line: bytes) -> dict:
-  """The JSON object of a line; Drop(bad_json) for anything else."""
+  """The JSON object of a line; Drop(blank_line) for an empty line, Drop(bad_json) for
+  anything else."""
+  if not line.strip():
+    raise Drop(DropReason.BLANK_LINE, "an empty line")
   try:
     row = json.loads(line)
   except (ValueError, UnicodeDecodeError, RecursionError) as e:

@@ -38,6 +38,9 @@ class DropPolicy:
     return DropReason.over_row_capacity(over[0]) if over else None
 
 
+_BLANK_HINT = " (remove the blank lines: sed -i '/^[[:space:]]*$/d' FILE)"
+
+
 def _top(reasons: collections.Counter) -> str:
   return ", ".join(f"{r}: {n}" for r, n in reasons.most_common(3))
 
@@ -61,6 +64,8 @@ class BadRecordLimits:
 
   def check_window(self, group: int, reason: DropReason | None, record: str) -> None:
     """Stops a group whose latest `bad_record_window` records are mostly bad."""
+    if reason == DropReason.BLANK_LINE:  # not a bad record: a gap in the file
+      return
     recent, policy = self._recent[group], self._policy
     recent.append(reason)
     if len(recent) < recent.maxlen:
@@ -78,5 +83,6 @@ class BadRecordLimits:
     if sum(bad.values()) >= limit:
       raise GroupExhaustedError(
           f"group {self._names[group]!r} yielded no usable sample in {limit} consecutive "
-          f"records (top reasons: {_top(bad)}; last record: {record}). Fix the data, or "
-          "raise `max_consecutive_drops`.")
+          f"records (top reasons: {_top(bad)}; last record: {record}). Fix the data"
+          f"{_BLANK_HINT if bad.most_common(1)[0][0] == DropReason.BLANK_LINE else ''}, "
+          "or raise `max_consecutive_drops`.")
