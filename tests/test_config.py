@@ -440,3 +440,10 @@ def test_an_unknown_key_far_from_every_key_lists_the_allowed_ones(root):
   with pytest.raises(ConfigError, match="allowed: ") as e:
     config_from_dict(raw, file="main.yaml", base_dir=str(root))
   assert "did you mean" not in str(e.value)
+
+
+def test_example_yaml_marks_upstreams_num_used_data_as_not_to_copy():
+  lines = (CONFIGS / "example.yaml").read_text().splitlines()
+  used = [line for line in lines if line.strip().startswith("num_used_data:")]
+  assert len(used) == 3 and all("leave it out in your own config" in line for line in used)
+  assert any("How much of a dataset is read" in line for line in lines if line.startswith("#"))
