@@ -38,7 +38,7 @@ VAE = ImageTransform(max_image_size=64, min_image_size=32, image_stride=16)
 VIT = ImageTransform(max_image_size=56, min_image_size=28, image_stride=14)
 FRAMES = FrameSamplerArgs(max_num_frames=3, min_num_frames=2)
 REASONS = {"bad_image", "too_many_pixels", "truncated_image", "wrong_type", "bad_caption",
-           "bad_edit_lists", "bad_json", "bad_turn", "no_loss_item", "missing_file",
+           "bad_edit_lists", "bad_json", "blank_line", "bad_turn", "no_loss_item", "missing_file",
            "path_outside_data_dir", "video_unreadable", "not_a_regular_file",
            "no_video_placeholder"}
 FAMILY_OF = {family.transform: family for family in FAMILIES.values()}
