@@ -401,6 +401,6 @@ FAMILY = Family(
     transform_args=_transform_args,
     embed_files=embed_files,
     drop_reasons=RECORD_REASONS | IMAGE_REASONS | FILE_REASONS | VIDEO_REASONS | {
-        DropReason.BAD_JSON, DropReason.WRONG_TYPE, DropReason.BAD_TURN,
+        DropReason.BAD_JSON, DropReason.BLANK_LINE, DropReason.WRONG_TYPE, DropReason.BAD_TURN,
         DropReason.NO_LOSS_ITEM, DropReason.TEXT_TOO_LONG,
         DropReason.OVER_MAX_TOKENS_PER_SAMPLE})
