@@ -56,7 +56,8 @@ def flatten(raw: Mapping, *, file: str, fields: set[str]) -> tuple[dict[str, Any
         continue
       field = PATH_KEYS.get(key, key)
       if field not in fields:
-        raise ConfigError(f"unknown key under `dataset:`; {did_you_mean(key, fields | PATH_KEYS.keys())}",
+        known = fields | PATH_KEYS.keys()
+        raise ConfigError(f"unknown key under `dataset:`; {did_you_mean(key, known)}",
                           file=file, key=f"dataset.{key}")
       _put(flat, written, field, value, f"dataset.{key}", file)
   sections = {k: v for k, v in raw.items() if k in TRAINER_SECTIONS}
