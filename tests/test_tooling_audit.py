@@ -133,5 +133,6 @@ def test_the_audit_models_a_finite_stream_by_its_num_epochs(demo_config, demo_to
       rows = sum(1 for _ in it)
     assert stream["ends"] and stream["num_epochs"] == epochs
     assert abs(stream["rows"] - rows) <= max(1, rows // 10), (stream["rows"], rows)
+    assert 0 < stream["fill"] <= 1
     assert (f"the stream ends after about {stream['rows']:,} rows (num_epochs: {epochs})"
             in audit.summary(report))

@@ -374,13 +374,14 @@ def _stream_model(cfg, groups: dict[str, Audit], sampled: dict[str, float],
   """How long the configured stream is: endless without `num_epochs`; else every group's
   packable samples `num_epochs` times over, packed about `row_tokens` a row (a group that
   ran out leaves the rows to the others, so the run ends with the tokens, not the longest
-  group), plus the last row, part full."""
+  group), plus the last row, part full; its fill counts that last row."""
   if cfg.num_epochs is None:
     return {"num_epochs": None, "ends": False}
   tokens = cfg.num_epochs * sum(a.tokens["packed"].total * sampled[n] for n, a in groups.items())
   samples = cfg.num_epochs * sum(a.packable * sampled[n] for n, a in groups.items())
-  return {"num_epochs": cfg.num_epochs, "ends": True, "samples": samples,
-          "rows": math.floor(tokens / row_tokens) + 1}
+  rows = math.floor(tokens / row_tokens) + 1
+  return {"num_epochs": cfg.num_epochs, "ends": True, "samples": samples, "rows": rows,
+          "fill": tokens / (rows * cfg.max_num_tokens)}
 
 
 def build_report(cfg, merged: dict[tuple[str, str], Audit], *, sample: int | None,
@@ -433,7 +434,8 @@ def summary(report: dict[str, Any]) -> str:
               f"(num_epochs: {stream['num_epochs']})" if stream["ends"] else
               "an endless stream (num_epochs unset); rows until every group did one epoch: "
               f"{run['rows_until_every_group_did_one_epoch']:,.0f}")
-    lines.append(f"run: fill {run['expected_fill']:.3f}, {run['samples_per_row']:.2f} samples "
+    fill = stream["fill"] if stream["ends"] else run["expected_fill"]
+    lines.append(f"run: fill {fill:.3f}, {run['samples_per_row']:.2f} samples "
                  f"per row; {length}")
     lines.append("  " + ", ".join(f"{n}: {g['rows_per_epoch']:,.0f} rows/epoch, "
                                   f"{g['epochs_when_the_longest_ends']:.2f} epochs"
