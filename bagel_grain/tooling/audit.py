@@ -424,7 +424,7 @@ def summary(report: dict[str, Any]) -> str:
                  f"{q('packed', 'p99'):>10s}")
     for reason, d in g["drops"].items():
       lines.append(f"  {reason}: {d['count']} (e.g. {d['examples'][0]})")
-    if g.get("notes"):
+    if g["notes"]:
       lines.append("  notes (samples kept, as upstream keeps them): " + ", ".join(
           f"{note}: {n}" for note, n in g["notes"].items()))
   run = report["run_estimate"]
