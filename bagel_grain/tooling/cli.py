@@ -158,10 +158,21 @@ def _index(args) -> int:
   from tqdm import tqdm
 
   from bagel_grain.config import load_config
-  from bagel_grain.sources.sidecar import index_config
+  from bagel_grain.sources.sidecar import index_config, verify_config
 
   start = time.perf_counter()
   cfg = load_config(args.config)
+
+  def bar(total, unit, desc):
+    return tqdm(total=total, unit=unit, unit_scale=unit == "B", desc=desc, file=sys.stderr)
+
+  if args.verify:
+    rewritten = verify_config(cfg, bar)
+    for path in rewritten:
+      print(f"verified the files of {path}; it records their times now")
+    print(f"verified in {time.perf_counter() - start:.1f} s"
+          + ("" if rewritten else ": every file was known by its listing already"))
+    return 0
   if args.runner:
     from bagel_grain.tooling import beam_runner
     beam_runner.beam()
@@ -169,8 +180,7 @@ def _index(args) -> int:
     written = beam_index.run_index(cfg, args.runner, args.beam_args,
                                    split_bytes=args.split_bytes)
   else:
-    written = index_config(cfg, lambda total, unit, desc: tqdm(
-        total=total, unit=unit, unit_scale=unit == "B", desc=desc, file=sys.stderr))
+    written = index_config(cfg, bar)
   for path in written:
     print(f"wrote {path}")
   print(f"indexed in {time.perf_counter() - start:.1f} s")
@@ -349,6 +359,10 @@ def build_parser() -> argparse.ArgumentParser:
   p = command("index", _index, "write the sidecar index of a config's data, once per corpus: "
               "builds then read no footer and scan no JSONL file")
   p.add_argument("config", help="the config whose parquet folders and JSONL files to index")
+  p.add_argument("--verify", action="store_true",
+                 help="do not index: read the indexed files a listing cannot vouch for (a "
+                 "local copy's new times) and check their content against the index; the "
+                 "index then records their times")
   _add_runner_options(p)
   p.add_argument("--split-bytes", type=_at_least(1), default=64 << 20,
                  help="with --runner: bytes of a JSONL file per work item (a huge file is "
