@@ -233,6 +233,21 @@ def read_parquet_index(data_dir: str,
           for i, name in enumerate(names)}
 
 
+def indexed_checksums(path: str, kind: str) -> dict[str, str]:
+  """{file path: content checksum (`Identity.checksum`)} as the index of a parquet folder
+  or a JSONL file records them; {} when there is no index. For a saved state's manifest:
+  the build has checked the index against the files already."""
+  try:
+    if kind == "parquet":
+      names, identities, _, _ = _load_parquet_index(fs.join(path, PARQUET_INDEX))
+      return {fs.join(path, n): i.checksum() for n, i in zip(names, identities) if i.checksum()}
+    meta_path = _jsonl_paths(path)[0]
+    ident = _jsonl_identity(json.loads(fs.read_bytes(meta_path)), meta_path)
+  except FileNotFoundError:
+    return {}
+  return {path: ident.checksum()} if ident.checksum() else {}
+
+
 def _check_files(index_path: str, files, kind: str) -> None:
   """Refuses, naming it, a file (path, indexed, listed now) that is not the one indexed;
   a file the listing cannot tell (a copy's new time on local disk) is checked by its probe,

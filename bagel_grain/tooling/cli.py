@@ -24,8 +24,8 @@ def _make_sample_data(args) -> int:
   start = time.perf_counter()
   out = make_sample_data(args.dir)
   # The sidecar index, as a user would write it once per corpus: the demo's builds then
-  # read no footer. Written here, not by `make_sample_data`: the tests copy that data to
-  # buckets, where new modification times would make an index stale.
+  # read no footer. Written here, not by `make_sample_data`, whose data the tests use
+  # unindexed (the scans and footers a build reads without an index).
   index_config(load_shipped("demo", out), _NoProgress)
   print(f"wrote demo data and its sidecar index to {out} in {time.perf_counter() - start:.1f} s")
   return 0
