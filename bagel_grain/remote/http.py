@@ -192,7 +192,8 @@ class Response:
 
   def _finish(self) -> None:
     _WATCHDOG.release(self._ticket)
-    if self._raw.isclosed() and not self._raw.will_close:
+    if not self._raw.will_close and (self._raw.isclosed() or self._raw.length == 0):
+      self._raw.close()  # its connection is free for the next request
       self._pool.give_back(self._conn)
     else:
       self._conn.close()
@@ -267,7 +268,7 @@ def request(method: str, url: str, headers: dict[str, str] | None = None,
       _WATCHDOG.release(ticket)
       conn.close()
       if reused and isinstance(e, (http.client.RemoteDisconnected, ConnectionResetError,
-                                   BrokenPipeError)):
+                                   BrokenPipeError, http.client.ImproperConnectionState)):
         continue  # the server closed it while it was idle: once more on a new one
       raise _cut(e, url, deadline) from None
     break
