@@ -39,6 +39,7 @@ import time
 from typing import Callable, Iterator, TypeVar
 
 from bagel_grain.errors import StorageUnavailableError
+from bagel_grain.remote.http import DefiniteError
 
 log = logging.getLogger(__name__)
 
@@ -62,7 +63,7 @@ def is_transient(error: BaseException) -> bool:
   """True for a failure that may pass if tried again (network, timeout, throttling, 5xx);
   False for a definite answer (no such object, access refused) and for local I/O errors."""
   if isinstance(error, (FileNotFoundError, PermissionError, IsADirectoryError,
-                        NotADirectoryError)):
+                        NotADirectoryError, DefiniteError)):
     return False
   if isinstance(error, (ConnectionError, TimeoutError)):
     return True
