@@ -7,6 +7,7 @@ import shutil
 import pytest
 import yaml
 
+from bagel_grain import fs
 from bagel_grain.errors import DatasetError
 from bagel_grain.sources import identity, sidecar
 from bagel_grain.sources.jsonl import JsonlLineSource
@@ -146,10 +147,13 @@ def test_an_upload_style_identity_compares_by_checksum_not_time(tmp_path):
   indexed = identity.indexed(path, identity.of_listing(_info(path)), "parquet")
   size = os.path.getsize(path)
   # What GCS lists after an upload (crc32c, a new time), and S3 (single-part ETag = MD5).
-  assert identity.compare(indexed, identity.Identity(size, 5, crc32c=indexed.crc32c))[0] is True
-  assert identity.compare(indexed, identity.from_etag(size, 5, f'"{indexed.md5}"'))[0] is True
-  assert identity.compare(indexed, identity.Identity(size, 5, crc32c="00000000"))[0] is False
-  assert identity.compare(indexed, identity.from_etag(size, 5, '"ab-3"'))[0] is None
+  def listed(**reported):
+    return identity.of_listing(fs.FileInfo("s3://b/k", "file", size, 5, **reported))
+
+  assert identity.compare(indexed, listed(crc32c=indexed.crc32c.upper()))[0] is True
+  assert identity.compare(indexed, listed(etag=indexed.md5, md5=indexed.md5))[0] is True
+  assert identity.compare(indexed, listed(crc32c="00000000"))[0] is False
+  assert identity.compare(indexed, listed(etag="0" * 32 + "-3"))[0] is None  # other parts
 
 
 def test_the_multipart_etag_of_8_mib_parts_is_what_s3_reports_for_such_an_upload(tmp_path):
@@ -165,5 +169,4 @@ def test_the_multipart_etag_of_8_mib_parts_is_what_s3_reports_for_such_an_upload
 
 
 def _info(path):
-  from bagel_grain import fs  # pylint: disable=import-outside-toplevel
   return fs.file_info(path)

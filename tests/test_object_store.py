@@ -3,17 +3,21 @@
 import collections
 import logging
 import re
+import shutil
 import socket
 import threading
 import time
 
 import numpy as np
 import pytest
+from pyarrow import fs as pafs
 
 from bagel_grain import fs, storage
 from bagel_grain.config import config_from_dict
+from bagel_grain.configs import load_shipped
 from bagel_grain.errors import StorageUnavailableError
 from bagel_grain.pipeline import build_pipeline, pipeline_stats
+from bagel_grain.sources import identity, sidecar
 from bagel_grain.tokenizer import load_tokenizer
 from conftest import CONFIGS
 from object_store import LatencyProxy, LocalObjectStore
@@ -316,3 +320,84 @@ def test_with_workers_each_image_is_read_by_one_process_once(bucket, demo_dir, d
   # Read ahead by the worker that decodes it, and only there (before: by every worker and
   # the main process). Images of lines dropped before their images are read are not read.
   assert len(got) > len(wanted) / 2 and all(got[name] <= wanted[name] for name in got)
+
+
+# --- an index travels with its data; every process reads what the build saw ----------
+
+
+@pytest.fixture(scope="module")
+def indexed_demo(demo_dir, tmp_path_factory):
+  """A copy of the demo data on local disk with its sidecar index."""
+  data = tmp_path_factory.mktemp("indexed") / "demo"
+  shutil.copytree(demo_dir, data)
+  sidecar.index_config(load_shipped("demo", data), _NoBar)
+  return data
+
+
+class _NoBar:
+  def __init__(self, *args):
+    pass
+
+  def update(self, n):
+    pass
+
+  def close(self):
+    pass
+
+
+def _unread(*args, **kwargs):
+  raise AssertionError(f"read at build: {args}")
+
+
+@pytest.mark.parametrize("bucket", ["s3", "gcs"], indirect=True)
+def test_an_index_written_on_disk_is_accepted_after_an_upload_and_a_bucket_copy(
+    bucket, indexed_demo, demo_dir, demo_tokenizer, local_epoch, monkeypatch):
+  store, _ = bucket
+  uploaded = store.upload(str(indexed_demo), "indexed")
+  client = store.filesystem()
+  for info in client.get_file_info(pafs.FileSelector(f"{store.bucket}/indexed", recursive=True)):
+    if info.type == pafs.FileType.File:  # a copy inside the store (S3 CopyObject, GCS rewrite)
+      client.copy_file(info.path, info.path.replace("/indexed/", "/copied/", 1))
+  _through(store.fault_proxy(), store, monkeypatch)
+  monkeypatch.setattr(identity, "probe", _unread)  # the listings' checksums decide
+  monkeypatch.setattr(sidecar, "read_footer", _unread)
+  monkeypatch.setattr(sidecar, "scan_line_starts", _unread)
+  for root in (uploaded, store.uri("copied")):
+    keys, stats, _ = _run_epoch(_epoch_config(root, demo_dir), demo_tokenizer, 0, root, demo_dir)
+    assert keys == local_epoch and not any(stats["drops"].values()), root
+
+
+@pytest.mark.parametrize("bucket, workers", [("s3", 0), ("s3", 2), ("gcs", 0)],
+                         indirect=["bucket"])
+def test_objects_uploaded_again_unchanged_during_a_run_lose_no_record(
+    bucket, workers, demo_dir, demo_tokenizer, local_epoch, monkeypatch):
+  # The issue's S3 server restarted mid-run with the same objects uploaded again: new
+  # times (and GCS generations), the same bytes. Reads are pinned to the content.
+  store, root = bucket
+  _through(store.fault_proxy(), store, monkeypatch)
+  keys, stats, errors = _run_epoch(_epoch_config(root, demo_dir), demo_tokenizer, workers, root,
+                                   demo_dir, after_first=lambda: store.upload(str(demo_dir),
+                                                                              "demo"))
+  assert not errors and not any(stats["drops"].values())
+  assert keys == local_epoch
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+@pytest.mark.parametrize("bucket", ["s3"], indirect=True)
+def test_a_jsonl_object_changed_after_the_build_drops_its_lines_whatever_the_workers(
+    bucket, workers, demo_dir, demo_tokenizer, monkeypatch, tmp_path):
+  store, root = bucket
+  _through(store.fault_proxy(), store, monkeypatch)
+  changed = tmp_path / "sft.jsonl"
+  lines = (demo_dir / "vlm" / "sft.jsonl").read_bytes()
+  changed.write_bytes(lines.replace(b"<image>", b"<IMAGE>", 1))
+  assert len(changed.read_bytes()) == len(lines)
+  it = iter(build_pipeline(_epoch_config(root, demo_dir), demo_tokenizer, batch_size=2,
+                           workers=workers))
+  try:
+    store.upload_file(changed, "demo/vlm/sft.jsonl")
+    batches = list(it)
+    assert batches and pipeline_stats(it)["drops"]["vlm_sft"] == {"unreadable_file": 60}
+  finally:
+    it.close()
+    store.upload_file(demo_dir / "vlm" / "sft.jsonl", "demo/vlm/sft.jsonl")

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import re
 from typing import Callable
 
 import google_crc32c
@@ -35,7 +36,6 @@ from bagel_grain import fs
 S3_PART_BYTES = 8 << 20  # the AWS CLI's and boto3's multipart threshold and part size
 PROBE_BYTES = 1 << 20  # a JSONL file's probe: its first and last MiB
 _READ_BYTES = S3_PART_BYTES
-CHECKSUMS = ("md5", "crc32c", "etag")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,6 +49,12 @@ class Identity:
   etag: str = ""  # an S3 multipart ETag ("hex-N"); a single-part ETag is the md5
   probe: str = ""  # SHA-256 of the probe bytes (an index's side only)
 
+  def multipart_etags(self) -> set[str]:
+    """The S3 ETags of multipart uploads of this content that the index can tell: in
+    8 MiB parts, and in one part (what pyarrow's S3 writer sends for a small file)."""
+    one_part = {f"{hashlib.md5(bytes.fromhex(self.md5)).hexdigest()}-1"} if self.md5 else set()
+    return one_part | ({self.etag} if self.etag else set())
+
   def checksum(self) -> str:
     """The content's name in a saved state: `md5:HEX`, else `crc32c:HEX`, else ""."""
     if self.md5:
@@ -56,17 +62,16 @@ class Identity:
     return f"crc32c:{self.crc32c}" if self.crc32c else ""
 
 
-def from_etag(size: int, mtime_ns: int, etag: str, **checksums: str) -> Identity:
-  """What an S3 listing says: a single-part ETag is the content's MD5."""
-  etag = etag.strip('"').lower()
-  if etag and "-" not in etag:
-    return Identity(size, mtime_ns, md5=etag, **checksums)
-  return Identity(size, mtime_ns, etag=etag, **checksums)
+_MULTIPART_ETAG = re.compile(r"[0-9a-f]{32}-[0-9]+")
 
 
-def of_listing(info) -> Identity:
-  """A listing's entry (a pyarrow `FileInfo`: size and time only) as an identity."""
-  return Identity(int(info.size), int(info.mtime_ns or 0))
+def of_listing(info: fs.FileInfo) -> Identity:
+  """A listing's entry (`fs.FileInfo`) as an identity: size, time, and the checksums the
+  store reports (an S3 single-part ETag is reported as the MD5 already)."""
+  etag = (info.etag or "").strip('"').lower()
+  return Identity(int(info.size or 0), int(info.mtime_ns or 0), md5=(info.md5 or "").lower(),
+                  crc32c=(info.crc32c or "").lower(),
+                  etag=etag if _MULTIPART_ETAG.fullmatch(etag) else "")
 
 
 def compare(indexed: Identity, now: Identity) -> tuple[bool | None, str]:
@@ -75,13 +80,14 @@ def compare(indexed: Identity, now: Identity) -> tuple[bool | None, str]:
   if indexed.size != now.size:
     return False, f"size {now.size}, indexed {indexed.size}"
   agreed = ""
-  for kind in CHECKSUMS:
+  for kind in ("md5", "crc32c"):
     before, after = getattr(indexed, kind), getattr(now, kind)
     if before and after:
-      if before == after:
-        agreed = agreed or f"{kind} agrees"
-      elif kind != "etag":  # multipart ETags of other part sizes differ for the same bytes
+      if before != after:
         return False, f"same size, {kind} {after}, indexed {before}"
+      agreed = agreed or f"{kind} agrees"
+  if now.etag and now.etag in indexed.multipart_etags():
+    agreed = agreed or "etag agrees"  # another part size's ETag differs: it tells nothing
   if agreed:
     return True, agreed
   if indexed.mtime_ns and indexed.mtime_ns == now.mtime_ns:
@@ -102,11 +108,10 @@ def content(path: str, progress: Callable[[int], object] | None = None) -> Ident
   """The file's size, MD5, CRC32C and 8 MiB-part S3 ETag, from one read of it."""
   info = fs.file_info(path)
   md5, crc, parts = hashlib.md5(), google_crc32c.Checksum(), []
-  fsys, p = fs.filesystem(path)
   size = 0
-  with fsys.open_input_stream(p) as f:
+  with fs.open_random_access(path, pin=info) as f:
     while True:
-      chunk = f.read(_READ_BYTES)
+      chunk = f.read_at(_READ_BYTES, size)
       if not chunk:
         break
       md5.update(chunk)

@@ -41,7 +41,6 @@ from typing import Callable, Sequence
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
-from pyarrow import fs as pafs
 
 from bagel_grain import fs
 from bagel_grain.errors import DatasetError
@@ -205,7 +204,7 @@ def _load_parquet_index(path: str):
 
 
 def read_parquet_index(data_dir: str,
-                       listed: Sequence[pafs.FileInfo]) -> dict[str, ParquetFileFacts] | None:
+                       listed: Sequence[fs.FileInfo]) -> dict[str, ParquetFileFacts] | None:
   """The folder's index as {file path: facts}; None (and a warning) when there is none.
 
   DatasetError when a listed file is missing from the index, or is not the file indexed
