@@ -273,10 +273,11 @@ class ReadAheadRecords(grain.MapDataset):
     self._hinted = -1  # the highest index whose read was started (or done by the consumer)
     self._asked = -1  # the last index asked for: (asked, hinted] are read ahead, not taken
     self._files: dict[int, list[str]] = {}  # the files read ahead for those indices
+    self._requested: set[int] = set()  # read ahead past `_hinted` by `read_ahead`
 
   def __getstate__(self):
     state = self.__dict__.copy()
-    state.update(_hinted=-1, _asked=-1, _files={})
+    state.update(_hinted=-1, _asked=-1, _files={}, _requested=set())
     return state
 
   def __len__(self) -> int:
@@ -311,8 +312,24 @@ class ReadAheadRecords(grain.MapDataset):
     size_of = getattr(self._records, "record_bytes", None)
     return None if size_of is None else size_of(index)
 
+  def read_ahead(self, indices: Iterable[int]) -> None:
+    """Starts the reads of elements this process will compute although they are not its
+    share (`_mine`): the main process's own, while workers run (the first elements, and
+    any no worker has taken). Each index once; paced and bounded as the hints are."""
+    for index in indices:
+      if (index <= self._asked or index in self._requested
+          or index <= self._hinted and _mine(index)):  # started already
+        continue
+      if not self.ahead.start(("record", index), lambda i=index: self._read(i),
+                              size=self._record_size(index), paced=True):
+        break
+      self._requested.add(index)
+
   def _forget_below(self, index: int) -> None:
-    stale = [("record", i) for i in range(self._asked + 1, min(index, self._hinted + 1))]
+    hinted = range(self._asked + 1, min(index, self._hinted + 1))
+    passed_requests = {i for i in self._requested if i < index}
+    self._requested -= passed_requests | {index}
+    stale = [("record", i) for i in sorted(set(hinted) | passed_requests)]
     self._asked = index
     for passed in [i for i in list(self._files) if i < index]:  # read-ahead threads add keys
       stale.extend(_file_keys(self._files.pop(passed, ())))
@@ -338,17 +355,33 @@ class ReadAheadRecords(grain.MapDataset):
     return record
 
 
-def close_read_ahead(datasets: Iterable[Any]) -> None:
-  """Stops the read-ahead threads under any of `datasets` (MapDatasets and their parents)."""
-  seen, todo = set(), list(datasets)
+def _records_under(datasets: Iterable[Any]) -> list[ReadAheadRecords]:
+  """The `ReadAheadRecords` under any of `datasets` (MapDatasets and their parents)."""
+  seen, todo, found = set(), list(datasets), []
   while todo:
     dataset = todo.pop()
     if id(dataset) in seen or not isinstance(dataset, grain.MapDataset):
       continue
     seen.add(id(dataset))
     if isinstance(dataset, ReadAheadRecords):
-      dataset.ahead.close()
+      found.append(dataset)
     todo.extend(dataset.parents)
+  return found
+
+
+def close_read_ahead(datasets: Iterable[Any]) -> None:
+  """Stops the read-ahead threads under any of `datasets` (MapDatasets and their parents)."""
+  for records in _records_under(datasets):
+    records.ahead.close()
+
+
+def read_ahead_of(dataset: Any, indices: Iterable[int]) -> None:
+  """Starts this process's reads of a group's elements `indices` (`dataset`: the group's
+  MapDataset, whose element i is its records' element i), whoever `owner` says decodes
+  them: the fetcher's inline thread computes them itself."""
+  indices = list(indices)
+  for records in _records_under([dataset]):
+    records.read_ahead(indices)
 
 
 def _local_size(path: str) -> int | None:

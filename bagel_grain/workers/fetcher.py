@@ -233,9 +233,15 @@ class Fetcher:
           self._cond.wait()
         key = None if self._closed else self._inline_queue.popleft()
         self._inline_key, self._inline_since = key, time.monotonic()
+        # With workers, what no worker has taken yet is likely this thread's next: its
+        # reads start now, as a worker's would (the first batch waits on these).
+        upcoming = [] if key is None or self._pump is None else [
+            i for g, i in self._pending if g == key[0] and i > key[1]]
       if key is None:  # an element computed ahead may have read ahead after `close` stopped it
         close_read_ahead(self._datasets)
         return
+      if upcoming:
+        readahead.read_ahead_of(self._datasets[key[0]], upcoming)
       cpu_s = time.thread_time()
       with storage.element_scope() as spent:
         try:
