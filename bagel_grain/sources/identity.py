@@ -147,6 +147,8 @@ def probe(path: str, kind: str) -> str:
 def indexed(path: str, listed: Identity, kind: str,
             progress: Callable[[int], object] | None = None) -> Identity:
   """What an index records of the file `listed` describes: the listing's checksums when
-  the storage gives them (no read), else the content's (one read), and its probe."""
-  whole = listed if (listed.md5 or listed.crc32c) else content(path, progress)
+  the storage gives them (no read; on S3 a multipart upload's ETag only, which a copy
+  keeps and another store's listing cannot check), else the content's (one read), and
+  its probe."""
+  whole = listed if (listed.md5 or listed.crc32c or listed.etag) else content(path, progress)
   return dataclasses.replace(whole, mtime_ns=listed.mtime_ns, probe=probe(path, kind))
