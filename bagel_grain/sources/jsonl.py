@@ -19,6 +19,7 @@ from __future__ import annotations
 import io
 import os
 import threading
+import time
 
 import numpy as np
 
@@ -167,18 +168,29 @@ def _changed(path: str, now: tuple[int, int], indexed: tuple[int, int]) -> Drop:
 
 
 class _LocalLines:
-  """A local JSONL file read with `pread`, checked at every read to be the one indexed.
+  """A local JSONL file read with `pread`, checked to be the one the build saw.
 
-  One `fstat` a line (a microsecond) tells a deleted file (no link left) or one
-  rewritten in place; the descriptor closes with the object.
+  On a local file system one `fstat` a line (about 10 us in Python) tells a deleted
+  file (no link left) or one rewritten in place. On a network or FUSE mount (gcsfuse,
+  NFS) an `fstat` may be a metadata request to the server once its cache lapses
+  (gcsfuse with a stat TTL of 0: every one), tens of milliseconds a line: there the
+  file is checked when opened and then at most once every `MOUNT_CHECK_S`, so a change
+  is seen within that time. The descriptor closes with the object.
   """
 
   def __init__(self, path: str, indexed: tuple[int, int]):
     self._path, self._indexed = path, indexed
     self._file = io.FileIO(path, "r")
+    self._every_s = MOUNT_CHECK_S if on_network_mount(path) else 0.0
+    self._checked = 0.0
     self._check()
 
   def _check(self) -> None:
+    if self._every_s:
+      now = time.monotonic()
+      if now - self._checked < self._every_s:
+        return
+      self._checked = now
     st = os.fstat(self._file.fileno())
     if st.st_nlink == 0:
       raise Drop(DropReason.UNREADABLE_FILE,
@@ -189,3 +201,38 @@ class _LocalLines:
   def read_at(self, nbytes: int, offset: int) -> bytes:
     self._check()
     return os.pread(self._file.fileno(), nbytes, offset)
+
+
+MOUNT_CHECK_S = 1.0
+# File system types whose metadata lives on a server: a stat may be a request.
+_NETWORK_TYPES = ("nfs", "nfs4", "cifs", "smb3", "9p", "ceph", "glusterfs", "lustre", "gpfs",
+                  "fuse.gcsfuse", "fuse.s3fs", "fuse.rclone", "fuse.goofys", "fuse.mountpoint-s3",
+                  "fuse.blobfuse2", "fuse.sshfs", "fuse.juicefs", "fuse.alluxio-fuse")
+
+
+def on_network_mount(path: str) -> bool:
+  """Whether `path` lies on a network or object-store mount (Linux's mount table; False
+  where there is none to read)."""
+  real = os.path.realpath(path)
+  best, kind = "", ""
+  for point, fstype in _mounts():
+    if (real == point or real.startswith(point.rstrip("/") + "/")) and len(point) > len(best):
+      best, kind = point, fstype
+  return kind in _NETWORK_TYPES
+
+
+def _mounts() -> list[tuple[str, str]]:
+  """(mount point, file system type) of this process's mounts, from /proc/self/mountinfo."""
+  try:
+    with open("/proc/self/mountinfo", encoding="utf-8", errors="replace") as f:
+      lines = f.read().splitlines()
+  except OSError:
+    return []
+  out = []
+  for line in lines:
+    fields = line.split(" ")
+    if " - " in line and len(fields) > 4:
+      after = line.split(" - ", 1)[1].split(" ")
+      point = fields[4].encode().decode("unicode_escape")  # spaces are written \040
+      out.append((point, after[0]))
+  return out
