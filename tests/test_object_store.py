@@ -19,6 +19,7 @@ from bagel_grain.errors import StorageUnavailableError
 from bagel_grain.pipeline import build_pipeline, pipeline_stats
 from bagel_grain.sources import identity, sidecar
 from bagel_grain.tokenizer import load_tokenizer
+from bagel_grain.tooling.cli import NoProgress
 from conftest import CONFIGS
 from object_store import LatencyProxy, LocalObjectStore
 from shipped_demo import shipped_demo_raw
@@ -330,19 +331,9 @@ def indexed_demo(demo_dir, tmp_path_factory):
   """A copy of the demo data on local disk with its sidecar index."""
   data = tmp_path_factory.mktemp("indexed") / "demo"
   shutil.copytree(demo_dir, data)
-  sidecar.index_config(load_shipped("demo", data), _NoBar)
+  sidecar.index_config(load_shipped("demo", data), NoProgress)
   return data
 
-
-class _NoBar:
-  def __init__(self, *args):
-    pass
-
-  def update(self, n):
-    pass
-
-  def close(self):
-    pass
 
 
 def _unread(*args, **kwargs):

@@ -24,6 +24,7 @@ from bagel_grain.errors import StateMismatchError
 from bagel_grain.jax import checkpoint_manager, restore, save
 from bagel_grain.packing.shards import merge_states
 from bagel_grain.sources import sidecar
+from bagel_grain.tooling.cli import NoProgress
 from bagel_grain.workers import fetcher
 from resume import take
 
@@ -389,12 +390,12 @@ def _patch_byte(path, offset):
 def test_an_indexed_file_rewritten_at_its_size_is_refused_by_name(data, demo_tokenizer, target,
                                                                   offset, allow):
   cfg = config(data, num_epochs=2)
-  sidecar.index_config(cfg, _NoBar)
+  sidecar.index_config(cfg, NoProgress)
   with pipeline(cfg, demo_tokenizer) as it:
     take(it, 3)
     state, manifests = json.loads(json.dumps(it.get_state())), it.manifests()
   _patch_byte(data / target, offset)  # a byte a probe may not see: the data indexed again
-  sidecar.index_config(cfg, _NoBar)
+  sidecar.index_config(cfg, NoProgress)
   name = target.split("/")[1]
   with pipeline(cfg, demo_tokenizer) as it:
     with pytest.raises(StateMismatchError, match=rf"{name} rewritten \(its content checksum"):
@@ -402,16 +403,6 @@ def test_an_indexed_file_rewritten_at_its_size_is_refused_by_name(data, demo_tok
     with pytest.raises(StateMismatchError, match="file contents"):  # without the file lists
       it.set_state(state, allow_changes=allow)
 
-
-class _NoBar:
-  def __init__(self, *args):
-    pass
-
-  def update(self, n):
-    pass
-
-  def close(self):
-    pass
 
 
 def step_2_with_a_file_of_step_1(cfg, tokenizer, tmp_path, name):

@@ -26,12 +26,12 @@ def _make_sample_data(args) -> int:
   # The sidecar index, as a user would write it once per corpus: the demo's builds then
   # read no footer. Written here, not by `make_sample_data`, whose data the tests use
   # unindexed (the scans and footers a build reads without an index).
-  index_config(load_shipped("demo", out), _NoProgress)
+  index_config(load_shipped("demo", out), NoProgress)
   print(f"wrote demo data and its sidecar index to {out} in {time.perf_counter() - start:.1f} s")
   return 0
 
 
-class _NoProgress:
+class NoProgress:
   """A progress bar that shows nothing (tqdm's interface, for `index_config`)."""
 
   def __init__(self, *args):
