@@ -170,3 +170,15 @@ def test_the_multipart_etag_of_8_mib_parts_is_what_s3_reports_for_such_an_upload
 
 def _info(path):
   return fs.file_info(path)
+
+
+def test_verify_compares_an_index_that_knew_only_an_s3_multipart_etag(tmp_path):
+  path = tmp_path / "f.bin"
+  path.write_bytes(b"abc" * 1000)
+  read = identity.content(str(path))
+  etag_only = identity.Identity(read.size, 1, etag=next(iter(read.multipart_etags())))
+  same, updated = identity.verified(etag_only, identity.Identity(read.size, 2), read)
+  assert same and updated.md5 == read.md5 and updated.mtime_ns == 2
+  other = identity.Identity(read.size, 1, etag="0" * 32 + "-1")
+  assert not identity.verified(other, identity.Identity(read.size, 2), read)[0]
+  assert not identity.verified(identity.Identity(read.size), identity.Identity(read.size), read)[0]

@@ -97,11 +97,17 @@ def compare(indexed: Identity, now: Identity) -> tuple[bool | None, str]:
 
 def verified(indexed: Identity, now: Identity, read: Identity) -> tuple[bool, Identity]:
   """(same content?, what the index records from now on) for a file whose content `read`
-  (`content`) was compared with the index: its new time, and its listed ETag (another
-  part size's) so a build compares them without reading."""
-  same = all(getattr(read, k) == getattr(indexed, k) for k in ("md5", "crc32c")
-             if getattr(indexed, k)) and read.size == indexed.size
-  return same, dataclasses.replace(indexed, mtime_ns=now.mtime_ns, etag=now.etag or indexed.etag)
+  (`content`) was compared with the index: the checksums it lacked (an index written on
+  S3 knew a multipart ETag only), its new time and its listed ETag (another part size's),
+  so a build compares them without reading."""
+  checks = [getattr(read, k) == getattr(indexed, k) for k in ("md5", "crc32c")
+            if getattr(indexed, k)]
+  if not checks and indexed.etag:  # the ETags this content has in 8 MiB parts, or in one
+    checks = [indexed.etag in read.multipart_etags()]
+  same = read.size == indexed.size and bool(checks) and all(checks)
+  return same, dataclasses.replace(indexed, mtime_ns=now.mtime_ns, etag=now.etag or indexed.etag,
+                                   md5=indexed.md5 or read.md5,
+                                   crc32c=indexed.crc32c or read.crc32c)
 
 
 def content(path: str, progress: Callable[[int], object] | None = None) -> Identity:
