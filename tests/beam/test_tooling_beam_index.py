@@ -75,13 +75,12 @@ def test_remote_data_is_indexed_in_its_bucket(demo_dir, tmp_path, monkeypatch):
 
 
 def _with_stamps_of(local, remote) -> bytes:
-  """The local folder's index, with the bucket's times (the objects' own): the same
-  content checksums and probes."""
+  """The local folder's index as written in the bucket: each file known by what the
+  bucket's listing reports (size, time, ETag: nothing read) and its probe."""
   files = []
   for info in fs.list_file_infos(remote, ".parquet"):
-    path = str(local / info.base_name)
-    ident = identity.indexed(path, identity.of_listing(fs.file_info(path)), "parquet")
-    files.append((info.base_name, dataclasses.replace(ident, mtime_ns=int(info.mtime_ns or 0))))
+    probe = identity.probe(str(local / info.base_name), "parquet")
+    files.append((info.base_name, dataclasses.replace(identity.of_listing(info), probe=probe)))
   facts = [sidecar.ParquetFileFacts.of_footer(sidecar.read_footer(str(local / f[0])))
            for f in files]
   return sidecar.parquet_index_bytes(files, facts)
