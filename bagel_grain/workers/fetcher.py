@@ -54,6 +54,7 @@ from bagel_grain.workers.process import GUARD_HINT, Worker, WorkerError, recv, s
 _MIN_START_TIMEOUT_S = 120.0  # importing the main script on a busy host can take that long
 JOBS_PER_WORKER = 4  # handed out ahead, so a worker never idles between results
 INLINE_AHEAD = 1  # without workers: next elements of a group computed while the packer packs
+INLINE_READ_AHEAD = 8  # with workers: untaken elements whose reads the inline thread starts
 _POLL_S = 1.0
 
 
@@ -236,7 +237,7 @@ class Fetcher:
         # With workers, what no worker has taken yet is likely this thread's next: its
         # reads start now, as a worker's would (the first batch waits on these).
         upcoming = [] if key is None or self._pump is None else [
-            i for g, i in self._pending if g == key[0] and i > key[1]]
+            i for g, i in self._pending if g == key[0] and i > key[1]][:INLINE_READ_AHEAD]
       if key is None:  # an element computed ahead may have read ahead after `close` stopped it
         close_read_ahead(self._datasets)
         return
