@@ -30,6 +30,7 @@ from bagel_grain import held_memory
 from bagel_grain.sources import readahead
 from bagel_grain.families.files import DiskFiles
 from bagel_grain.workers import WORKER_NICENESS, Fetcher, WorkerError
+from bagel_grain.workers import fetcher as fetcher_module
 from bagel_grain.pipeline import build_pipeline
 from deadline import deadline
 from slow_elements import FailsWhileDown, StallsInWorkers
@@ -451,15 +452,17 @@ def test_workers_report_their_memory_after_imports_loading_and_each_element():
 
 
 def test_elements_no_worker_has_taken_are_read_ahead_by_the_main_process(monkeypatch):
-  # While the worker starts, the main process computes the first elements itself: the
-  # ones after the element it computes, still unassigned, get their reads started.
+  # While the worker starts, the main process computes the first elements itself: at its
+  # first, every group's first ones get their reads started (then, before each, those of
+  # its group that no worker has taken).
   started = []
   monkeypatch.setattr(readahead, "read_ahead_of",
-                      lambda dataset, indices: started.append(list(indices)))
+                      lambda dataset, indices: started.append((dataset.size, list(indices))))
   with deadline(120):
-    fetcher = Fetcher([Squares(40)], workers=1, depths=[8])
+    fetcher = Fetcher([Squares(40), Squares(3)], workers=1, depths=[8, 8])
     try:
       assert np.array_equal(fetcher.get(0, 0), np.zeros(3))
     finally:
       fetcher.close()
-  assert started and started[0] == list(range(1, 9))
+  ahead = fetcher_module.INLINE_READ_AHEAD
+  assert started[:2] == [(40, list(range(1, ahead))), (3, [0, 1, 2])]

@@ -100,6 +100,7 @@ class Fetcher:
     self._inline_queue: collections.deque[tuple[int, int]] = collections.deque()
     self._inline_key: tuple[int, int] | None = None
     self._inline_since = 0.0
+    self._read_ahead_started = False  # see _untaken
     # Elements computed in this process, and the CPU seconds they took (for reports).
     self.inline_elements, self.inline_cpu_s = 0, 0.0
     self._pump: threading.Thread | None = None
@@ -234,15 +235,12 @@ class Fetcher:
           self._cond.wait()
         key = None if self._closed else self._inline_queue.popleft()
         self._inline_key, self._inline_since = key, time.monotonic()
-        # With workers, what no worker has taken yet is likely this thread's next: its
-        # reads start now, as a worker's would (the first batch waits on these).
-        upcoming = [] if key is None or self._pump is None else [
-            i for g, i in self._pending if g == key[0] and i > key[1]][:INLINE_READ_AHEAD]
+        upcoming = {} if key is None or self._pump is None else self._untaken(key)
       if key is None:  # an element computed ahead may have read ahead after `close` stopped it
         close_read_ahead(self._datasets)
         return
-      if upcoming:
-        readahead.read_ahead_of(self._datasets[key[0]], upcoming)
+      for group, indices in upcoming.items():
+        readahead.read_ahead_of(self._datasets[group], indices)
       cpu_s = time.thread_time()
       with storage.element_scope() as spent:
         try:
@@ -256,6 +254,19 @@ class Fetcher:
         self._inline_key = None
         self._done[key] = value
         self._cond.notify_all()
+
+  def _untaken(self, key: tuple[int, int]) -> dict[int, list[int]]:
+    """With workers, per group, the elements the inline thread is likely to compute next,
+    whose reads it starts before computing `key`, as a worker reads ahead its own (the
+    first batch waits on these): at its first element, every group's first ones (no
+    worker is up yet); then those of `key`'s group that no worker has taken (caller
+    holds the lock)."""
+    if not self._read_ahead_started:
+      self._read_ahead_started = True
+      return {g: [i for i in range(INLINE_READ_AHEAD) if (g, i) != key and i < len(d)]
+              for g, d in enumerate(self._datasets)}
+    return {key[0]: [i for g, i in self._pending if g == key[0] and i > key[1]]
+            [:INLINE_READ_AHEAD]}
 
   # -- the pump thread ---------------------------------------------------------
 
