@@ -316,3 +316,117 @@ def test_with_workers_each_image_is_read_by_one_process_once(bucket, demo_dir, d
   # Read ahead by the worker that decodes it, and only there (before: by every worker and
   # the main process). Images of lines dropped before their images are read are not read.
   assert len(got) > len(wanted) / 2 and all(got[name] <= wanted[name] for name in got)
+
+
+# -- a store that misbehaves: bounded in time and memory, nothing lost ----------------
+
+IMAGE = "vlm/images/img_007.png"  # named by one record of the demo
+CLIP = "vlm/videos/clip1/"  # a frame folder named by one record
+
+
+def _naming(demo_dir, path: str) -> collections.Counter:
+  """The vlm records that name `path` (under vlm/)."""
+  part = path.removeprefix("vlm/")
+  lines = (demo_dir / "vlm" / "sft.jsonl").read_text().splitlines()
+  named = collections.Counter({("vlm_sft", f"demo_vlm/sft.jsonl:{n + 1}"): 1
+                               for n, line in enumerate(lines) if f'"{part}"' in line})
+  assert len(named) == 1
+  return named
+
+
+@pytest.mark.parametrize("bucket, workers, fault", [
+    ("s3", 0, "slow"), ("s3", 2, "slow"), ("s3", 0, "short"), ("s3", 2, "short"),
+    ("gcs", 0, "slow")], indirect=["bucket"])
+def test_a_stalled_read_ends_as_the_storage_error_and_every_record_is_packed_once(
+    bucket, workers, fault, demo_dir, demo_tokenizer, local_epoch, monkeypatch):
+  # `slow`: 3 bytes a second, each receive within the idle timeout; `short`: the body ends
+  # 1000 bytes short of its length, then silence. The issue's storage_timeout_s 24 and
+  # element_timeout_s 30, scaled down: the deadline must hold inside the read, and cover
+  # the read ahead, or the fetcher's fatal WorkerError comes first.
+  store, root = bucket
+  proxy = store.fault_proxy()
+  _through(proxy, store, monkeypatch)
+  proxy.fault(fault, match=IMAGE)
+  cfg = _epoch_config(root, demo_dir, storage_timeout_s=2, element_timeout_s=2.5)
+  keys, _, errors = _run_epoch(cfg, demo_tokenizer, workers, root, demo_dir,
+                               on_storage_error=proxy.clear)
+  assert len(errors) == 1 and IMAGE in str(errors[0])
+  assert keys == local_epoch
+  assert proxy.counts()[f"fault_{fault}"] >= 1
+
+
+@pytest.mark.parametrize("bucket", ["s3", "gcs"], indirect=True)
+def test_a_claim_of_a_terabyte_is_refused_before_its_body_is_read(bucket, monkeypatch):
+  store, root = bucket
+  proxy = store.fault_proxy()
+  _through(proxy, store, monkeypatch)
+  proxy.fault("huge", match=IMAGE)
+  with pytest.raises(fs.FileRefused, match="1000000000000 bytes"):
+    fs.read_file(f"{root}/{IMAGE}", 1 << 20)
+  assert not storage.is_transient(fs.FileRefused("x", regular=True))
+  proxy.clear()
+  proxy.fault("endless", match=IMAGE)  # no length at all: read to the bound, then refused
+  with pytest.raises(fs.FileRefused, match=f"more than {1 << 20}"):
+    fs.read_file(f"{root}/{IMAGE}", 1 << 20)
+
+
+@pytest.mark.parametrize("bucket, workers", [("s3", 0), ("s3", 2)], indirect=["bucket"])
+def test_a_huge_object_is_dropped_as_file_too_large_and_the_rest_packed_once(
+    bucket, workers, demo_dir, demo_tokenizer, local_epoch, monkeypatch):
+  store, root = bucket
+  proxy = store.fault_proxy()
+  _through(proxy, store, monkeypatch)
+  proxy.fault("huge", match=IMAGE)
+  keys, stats, errors = _run_epoch(_epoch_config(root, demo_dir), demo_tokenizer, workers,
+                                   root, demo_dir)
+  assert not errors
+  assert keys == local_epoch - _naming(demo_dir, IMAGE)
+  assert stats["drops"]["vlm_sft"] == {"file_too_large": 1}
+
+
+@pytest.mark.parametrize("bucket", ["s3", "gcs"], indirect=True)
+def test_a_listing_that_repeats_its_token_is_refused_not_followed(bucket, monkeypatch):
+  store, root = bucket
+  proxy = store.fault_proxy()
+  _through(proxy, store, monkeypatch)
+  proxy.fault("loop_list", match=f"prefix=demo/{CLIP}")
+  with pytest.raises(fs.BadListing, match="pages in circles"):
+    fs.list_files(f"{root}/{CLIP}")
+  assert proxy.counts()["fault_loop_list"] == 2  # the first page, and the one that repeats
+  assert not storage.is_transient(fs.BadListing("x"))
+
+
+@pytest.mark.parametrize("bucket, fault, reason", [
+    ("s3", "loop_list", "file_not_readable"), ("s3", "many_keys", "too_many_video_frames"),
+    ("gcs", "many_keys", "too_many_video_frames")], indirect=["bucket"])
+def test_a_runaway_frame_folder_listing_is_a_drop_and_the_rest_packed_once(
+    bucket, fault, reason, demo_dir, demo_tokenizer, local_epoch, monkeypatch):
+  store, root = bucket
+  proxy = store.fault_proxy()
+  _through(proxy, store, monkeypatch)
+  proxy.fault(fault, match=f"prefix=demo/{CLIP}")
+  keys, stats, errors = _run_epoch(_epoch_config(root, demo_dir), demo_tokenizer, 0, root,
+                                   demo_dir)
+  assert not errors
+  assert keys == local_epoch - _naming(demo_dir, CLIP)
+  assert stats["drops"]["vlm_sft"] == {reason: 1}
+  # 1M keys: listed only to the bound (16 x max_video_frames), by the consumer and ahead.
+  assert proxy.counts()[f"fault_{fault}"] <= 2 * (16 * 4096 // 1000 + 2)
+
+
+@pytest.mark.parametrize("bucket", ["s3"], indirect=True)
+def test_a_redirect_to_another_host_is_not_followed_and_sends_it_nothing(
+    bucket, demo_dir, demo_tokenizer, local_epoch, monkeypatch):
+  store, root = bucket
+  proxy = store.fault_proxy()
+  _through(proxy, store, monkeypatch)
+  monkeypatch.setenv("AWS_SESSION_TOKEN", "secret-session-token")
+  proxy.fault("redirect", match=IMAGE)
+  with pytest.raises(PermissionError, match="redirects .307. to 127.0.0.2"):
+    fs.read_file(f"{root}/{IMAGE}", 1 << 20)
+  keys, stats, errors = _run_epoch(_epoch_config(root, demo_dir), demo_tokenizer, 0, root,
+                                   demo_dir)
+  assert not errors and keys == local_epoch - _naming(demo_dir, IMAGE)
+  assert stats["drops"]["vlm_sft"] == {"file_not_readable": 1}
+  assert proxy.counts()["fault_redirect"] >= 2
+  assert proxy.captured() == []  # the other host received nothing, no token above all
