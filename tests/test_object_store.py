@@ -2,10 +2,14 @@
 
 import collections
 import logging
+import os
 import re
 import socket
+import subprocess
+import sys
 import threading
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -430,3 +434,27 @@ def test_a_redirect_to_another_host_is_not_followed_and_sends_it_nothing(
   assert stats["drops"]["vlm_sft"] == {"file_not_readable": 1}
   assert proxy.counts()["fault_redirect"] >= 2
   assert proxy.captured() == []  # the other host received nothing, no token above all
+
+
+EXIT_BOUND_S = 60  # a bound on a hang, not a timing: the reads it must not wait for last 300 s
+
+
+@pytest.mark.parametrize("bucket", ["s3"], indirect=True)
+def test_a_stuck_read_keeps_neither_close_nor_the_interpreter_exit_waiting(
+    bucket, demo_dir, monkeypatch):
+  store, root = bucket
+  proxy = store.fault_proxy()
+  env = {**os.environ, **store.environment(proxy.port),
+         "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent.parent),
+                                        str(Path(__file__).parent)])}
+  proxy.fault("slow", match="vlm/images/")  # every image at 3 bytes a second
+  try:
+    done = subprocess.run([sys.executable, str(Path(__file__).parent / "stuck_read_exit.py"),
+                           str(demo_dir), root], env=env, capture_output=True, text=True,
+                          timeout=EXIT_BOUND_S, check=False)
+  finally:
+    proxy.clear()
+  assert done.returncode == 0, done.stderr[-2000:]
+  assert "closed" in done.stdout
+  assert proxy.counts()["fault_slow"] >= 1
+  assert "reading ahead on 0 threads" not in done.stdout
