@@ -4,11 +4,14 @@ Every process reads the file as the build found it, or not at all. Each process
 opens it itself (a worker on its first line), so a file deleted, replaced or
 rewritten while the stream runs would otherwise give each process whatever it
 opened: the main process kept reading a deleted file through its open handle
-while workers, opening it afresh, found nothing. Instead, a process checks that
-the file it opened is the one the build indexed (size and modification time),
-and a local file is checked again at every line (deleted, or changed, since it
-was opened): the lines of a file that changed are dropped as `unreadable_file`
-naming it, whatever the worker count.
+while workers, opening it afresh, found nothing. Instead, every read is of the
+file the build saw. An object is identified as its store reports it (its `FileInfo`
+at build: S3 ETag, GCS generation and checksums) and every line is read pinned to
+it (`fs.open_random_access(pin=)`), so an identical re-upload (same bytes, a new
+upload time) reads on and anything else is refused. A local file is checked to be
+the one the build saw (size and modification time) when opened and again at every
+line (deleted, or changed, since). The lines of a file that changed are dropped
+as `unreadable_file` naming it, whatever the worker count.
 """
 
 from __future__ import annotations
@@ -147,15 +150,19 @@ class JsonlLineSource:
     self._load()
     if self._file is None:
       self._file = _open_checked(self._path, self._stamp)
-    data = self._file.read_at(int(self._length[index]), int(self._start[index]))
+    try:
+      data = self._file.read_at(int(self._length[index]), int(self._start[index]))
+    except fs.ObjectChanged as e:
+      raise Drop(DropReason.UNREADABLE_FILE,
+                 f"{e}; it changed since the stream was built: its lines are not read") from None
     return data[:-1] if data.endswith(b"\r") else data
 
 
-def _stamp(path: str) -> tuple[int, int]:
-  """(size, modification time in ns): what tells the file the build indexed."""
+def _stamp(path: str) -> fs.FileInfo | tuple[int, int]:
+  """What tells the file the build saw: an object's `FileInfo` (its reads are pinned to
+  it), a local file's (size, modification time in ns)."""
   if fs.is_uri(path):
-    info = fs.file_info(path)
-    return int(info.size), int(info.mtime_ns or 0)
+    return fs.file_info(path)
   st = os.stat(path)
   return st.st_size, st.st_mtime_ns
 
@@ -166,13 +173,11 @@ def _changed(path: str, now: tuple[int, int], indexed: tuple[int, int]) -> Drop:
               f"{indexed}): its lines are not read")
 
 
-def _open_checked(path: str, indexed: tuple[int, int]):
-  """The file opened for reading by offset, if it is still the one indexed; else Drop."""
-  if fs.is_uri(path):
-    now = _stamp(path)  # an object store has no open handle to hold: one request
-    if now != indexed:
-      raise _changed(path, now, indexed)
-    return fs.open_random_access(path)
+def _open_checked(path: str, indexed: fs.FileInfo | tuple[int, int]):
+  """The file opened for reading by offset, if it is still the one indexed; else Drop.
+  An object is opened pinned (each read checked by the store: no request of ours)."""
+  if isinstance(indexed, fs.FileInfo):
+    return fs.open_random_access(path, pin=indexed)
   return _LocalLines(path, indexed)
 
 
