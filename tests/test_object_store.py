@@ -510,3 +510,18 @@ def test_objects_uploaded_again_with_the_same_bytes_lose_no_record(
                                    root, demo_dir, after_first=upload_again)
   assert not errors and keys == local_epoch
   assert all(not d for d in stats["drops"].values())
+
+
+@pytest.mark.parametrize("bucket", ["s3"], indirect=True)
+def test_the_build_lists_each_parquet_folder_once(bucket, demo_dir, demo_tokenizer, monkeypatch):
+  store, root = bucket
+  proxy = store.fault_proxy()
+  _through(proxy, store, monkeypatch)
+  it = iter(build_pipeline(_remote_config(root, demo_dir), demo_tokenizer, batch_size=2))
+  try:
+    it.get_state()  # the state carries each dataset's manifest
+  finally:
+    it.close()
+  listings = {t: n for t, n in proxy.targets().items()  # (not the 1-key probes of `is_dir`)
+              if "list-type=2" in t and "delimiter=/" in t and "prefix=demo/t2i/" in t}
+  assert sum(listings.values()) == 1, listings

@@ -117,8 +117,10 @@ class ParquetCatalog:
 
   def __init__(self, files: Sequence[str], columns: Sequence[str], *,
                facts: dict[str, sidecar.ParquetFileFacts] | None = None,
-               counts: dict[str, int] | None = None, counts_file: str | None = None):
+               counts: dict[str, int] | None = None, counts_file: str | None = None,
+               listed: Sequence[tuple[str, int]] = ()):
     self.files, self.columns = list(files), list(columns)
+    self.listed = tuple(listed)  # (name, size) of the folder's files, as the build listed them
     self._facts = dict(facts or {})
     self._counts, self._counts_file = dict(counts or {}), counts_file
     missing = sorted({f for f in self.files if f not in self._facts and f not in self._counts})
@@ -187,17 +189,19 @@ def dataset_catalog(data_dir: str, num_used: int | None, columns: Sequence[str],
   files = [fs.join(data_dir, i.base_name) for i in listed]
   if num_used is not None:
     files = [files[i % len(files)] for i in range(num_used)]
+  names = [(i.base_name, int(i.size)) for i in listed]  # the manifest's: no second listing
   facts = sidecar.read_parquet_index(data_dir, listed)
   if facts is not None:
     for info in listed:  # the index's counts size the order as a footer's would
       path = fs.join(data_dir, info.base_name)
       parquet_footer.check_indexed_rows(facts[path].row_group_rows, int(info.size), path,
                                         fs.join(data_dir, sidecar.PARQUET_INDEX))
-    return ParquetCatalog(files, columns, facts=facts)
+    return ParquetCatalog(files, columns, facts=facts, listed=names)
   if parquet_info_path is not None:
     counts = sidecar.row_group_counts(files, sidecar.read_parquet_info(parquet_info_path))
-    return ParquetCatalog(files, columns, counts=counts, counts_file=parquet_info_path)
-  return ParquetCatalog(files, columns)
+    return ParquetCatalog(files, columns, counts=counts, counts_file=parquet_info_path,
+                          listed=names)
+  return ParquetCatalog(files, columns, listed=names)
 
 
 class ParquetRowSource:
@@ -219,6 +223,7 @@ class ParquetRowSource:
                readers: int = 1, cache_bytes: int = DEFAULT_CACHE_BYTES,
                cache: _RowGroupCache | None = None, max_cell_bytes: int | None = None):
     self._catalog = catalog or ParquetCatalog(files, columns)
+    self.listed = self._catalog.listed  # (name, size) per file of the folder, when listed
     self._files = list(files)
     self._columns = list(columns)
     self._max_cell_bytes = max_cell_bytes
