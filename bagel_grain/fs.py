@@ -273,8 +273,8 @@ def read_file(path: str, max_bytes: int | None, pin: FileInfo | None = None) -> 
       data = client.get(bucket, key, max_bytes=_NO_BOUND if max_bytes is None else max_bytes,
                         pin=pin)
     except http.BodyTooLarge as e:
-      raise FileRefused(f"{path}: {e.size or 'more than ' + str(max_bytes)} bytes > "
-                        f"{max_bytes}", regular=True) from None
+      size = f"{e.size} bytes >" if e.size is not None else "more than"
+      raise FileRefused(f"{path}: {size} {max_bytes} bytes", regular=True) from None
     except http.PreconditionFailed as e:
       raise ObjectChanged(f"{path} changed since it was listed: {e}") from None
   else:

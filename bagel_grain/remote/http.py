@@ -196,20 +196,23 @@ class Response:
       self._raw.close()  # its connection is free for the next request
       self._pool.give_back(self._conn)
     else:
-      self._conn.close()
+      self.close()
 
   def close(self) -> None:
     """Drops the answer unread: the connection is closed, not reused."""
     _WATCHDOG.release(self._ticket)
+    self._raw.close()  # holds the socket when the connection let go of it
     self._conn.close()
 
 
 def _cut(error: BaseException, url: str, deadline: float) -> OSError:
   """The error for a connection that failed mid-answer: past the deadline a timeout, else
   a transient failure (a cut connection, an answer ended early)."""
+  if isinstance(error, BodyTooLarge):
+    return error
   if time.monotonic() >= deadline - 0.001:
     return TimeoutError(f"{url}: no complete answer within its deadline")
-  if isinstance(error, (BodyTooLarge, TransientHTTPError, TimeoutError, ConnectionError)):
+  if isinstance(error, (TransientHTTPError, TimeoutError, ConnectionError)):
     return error
   return TransientHTTPError(f"{url}: {type(error).__name__}: {error}")
 

@@ -157,11 +157,11 @@ def _quote(text: str) -> str:
 
 
 def _sign(method: str, url: str, headers: dict[str, str], creds: Credentials,
-          region: str) -> dict[str, str]:
-  """The headers that sign a request with AWS Signature Version 4 (payload unsigned:
-  only GET and HEAD are sent, with no body)."""
+          region: str, now: datetime.datetime | None = None) -> dict[str, str]:
+  """The headers that sign a request with AWS Signature Version 4 (only GET and HEAD are
+  sent, with no body: the payload's hash is that of no bytes)."""
   parts = urllib.parse.urlsplit(url)
-  now = datetime.datetime.now(datetime.timezone.utc)
+  now = now or datetime.datetime.now(datetime.timezone.utc)
   amz_date, day = now.strftime("%Y%m%dT%H%M%SZ"), now.strftime("%Y%m%d")
   signed = {"host": parts.netloc, "x-amz-content-sha256": _EMPTY_SHA256,
             "x-amz-date": amz_date}

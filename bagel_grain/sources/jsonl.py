@@ -4,14 +4,14 @@ Every process reads the file as the build found it, or not at all. Each process
 opens it itself (a worker on its first line), so a file deleted, replaced or
 rewritten while the stream runs would otherwise give each process whatever it
 opened: the main process kept reading a deleted file through its open handle
-while workers, opening it afresh, found nothing. Instead, every read is pinned
-to the file the build saw (`fs.file_info`, taken once at build and handed to the
-workers): an object's reads are conditional on its identity as the store reports
-it (S3 `If-Match` on the ETag, the GCS generation, or an identical re-upload with
-the same checksums), so an identical re-upload loses nothing; a local file is
-checked at every line to be the one seen (its size and modification time; not
-deleted). The lines of a file that changed are dropped as `unreadable_file`
-naming it, whatever the worker count.
+while workers, opening it afresh, found nothing. Instead, every read is of the
+file the build saw. An object is identified as its store reports it (its `FileInfo`
+at build: S3 ETag, GCS generation and checksums) and every line is read pinned to
+it (`fs.open_random_access(pin=)`), so an identical re-upload (same bytes, a new
+upload time) reads on and anything else is refused. A local file is checked to be
+the one the build saw (size and modification time) when opened and again at every
+line (deleted, or changed, since). The lines of a file that changed are dropped
+as `unreadable_file` naming it, whatever the worker count.
 """
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ class JsonlLineSource:
   def __init__(self, path: str, *, num_used: int | None = None, shuffle_lines: bool = False,
                shuffle_seed: int = 0):
     self._path = path
-    self._pin = fs.file_info(path)  # before the scan: a change during it shows too
+    self._stamp = _stamp(path)  # before the scan: a change during it shows too
     self._index: sidecar.LineIndex | None = sidecar.LineIndex(path)
     count = self._index.count if num_used is None else min(num_used, self._index.count)
     self._seed = shuffle_seed if shuffle_lines else None
@@ -149,22 +149,37 @@ class JsonlLineSource:
 
   def __getitem__(self, index: int) -> bytes:
     self._load()
+    if self._file is None:
+      self._file = _open_checked(self._path, self._stamp)
     try:
-      if self._file is None:
-        self._file = (fs.open_random_access(self._path, pin=self._pin) if fs.is_uri(self._path)
-                      else _LocalLines(self._path, (self._pin.size, self._pin.mtime_ns)))
       data = self._file.read_at(int(self._length[index]), int(self._start[index]))
-    except fs.ObjectChanged:
-      raise Drop(DropReason.UNREADABLE_FILE, f"{self._path} changed since the stream was "
-                 "built (the store no longer holds the object it saw): its lines are not "
-                 "read") from None
+    except fs.ObjectChanged as e:
+      raise Drop(DropReason.UNREADABLE_FILE,
+                 f"{e}; it changed since the stream was built: its lines are not read") from None
     return data[:-1] if data.endswith(b"\r") else data
+
+
+def _stamp(path: str) -> fs.FileInfo | tuple[int, int]:
+  """What tells the file the build saw: an object's `FileInfo` (its reads are pinned to
+  it), a local file's (size, modification time in ns)."""
+  if fs.is_uri(path):
+    return fs.file_info(path)
+  st = os.stat(path)
+  return st.st_size, st.st_mtime_ns
 
 
 def _changed(path: str, now: tuple[int, int], indexed: tuple[int, int]) -> Drop:
   return Drop(DropReason.UNREADABLE_FILE,
               f"{path} changed since the stream was built (size, mtime now {now}, then "
               f"{indexed}): its lines are not read")
+
+
+def _open_checked(path: str, indexed: fs.FileInfo | tuple[int, int]):
+  """The file opened for reading by offset, if it is still the one indexed; else Drop.
+  An object is opened pinned (each read checked by the store: no request of ours)."""
+  if isinstance(indexed, fs.FileInfo):
+    return fs.open_random_access(path, pin=indexed)
+  return _LocalLines(path, indexed)
 
 
 class _LocalLines:

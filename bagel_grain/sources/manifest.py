@@ -28,9 +28,10 @@ from typing import Any, Mapping, Sequence
 
 from bagel_grain import fs
 from bagel_grain.config import DatasetSpec
-from bagel_grain.sources.array_record import array_record_files
 from bagel_grain.sources import sidecar
+from bagel_grain.sources.array_record import array_record_files
 from bagel_grain.sources.base import RecordSource
+from bagel_grain.sources.parquet import ParquetRowSource
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,8 +85,8 @@ def tail_digest(path: str, size: int) -> str:
 
 
 def dataset_manifest(spec: DatasetSpec, record_format: str, source: RecordSource) -> Manifest:
-  """The manifest of one dataset as its (unrestricted) source reads it: one listing of its
-  folder, or one look at its file; `record_format` as `Family.record_format` says."""
+  """The manifest of one dataset as its (unrestricted) source reads it: the listing of its
+  folder the build made (a parquet source keeps it), or one look at its file; `record_format` as `Family.record_format` says."""
   if record_format == "array_record":
     paths = array_record_files(spec.array_record_path)
     root = spec.array_record_path if fs.is_dir(spec.array_record_path) else fs.dirname(
@@ -100,7 +101,8 @@ def dataset_manifest(spec: DatasetSpec, record_format: str, source: RecordSource
                     tail_digest(spec.jsonl_path, size), ((name, checksum),) if checksum else ())
   else:
     root = spec.data_dir
-    files = [(i.base_name, i.size) for i in fs.list_file_infos(spec.data_dir, ".parquet")]
+    files = (list(source.listed) if isinstance(source, ParquetRowSource) and source.listed
+             else [(i.base_name, i.size) for i in fs.list_file_infos(spec.data_dir, ".parquet")])
     checksums = sidecar.indexed_checksums(spec.data_dir, "parquet")
     return Manifest(root, tuple(sorted(files)), source.num_blocks(),
                     contents=tuple(sorted((name, checksums[fs.join(root, name)])

@@ -114,8 +114,10 @@ class ParquetCatalog:
   def __init__(self, files: Sequence[str], columns: Sequence[str], *,
                facts: dict[str, sidecar.ParquetFileFacts] | None = None,
                counts: dict[str, int] | None = None, counts_file: str | None = None,
+               listed: Sequence[tuple[str, int]] = (),
                pins: dict[str, fs.FileInfo] | None = None):
     self.files, self.columns = list(files), list(columns)
+    self.listed = tuple(listed)  # (name, size) of the folder's files, as the build listed them
     self.pins = dict(pins or {})  # file path -> its listing: what every read must find
     self._facts = dict(facts or {})
     self._counts, self._counts_file = dict(counts or {}), counts_file
@@ -186,18 +188,19 @@ def dataset_catalog(data_dir: str, num_used: int | None, columns: Sequence[str],
   pins = dict(zip(files, listed))
   if num_used is not None:
     files = [files[i % len(files)] for i in range(num_used)]
+  names = [(i.base_name, int(i.size)) for i in listed]  # the manifest's: no second listing
   facts = sidecar.read_parquet_index(data_dir, listed)
   if facts is not None:
     for info in listed:  # the index's counts size the order as a footer's would
       path = fs.join(data_dir, info.base_name)
       parquet_footer.check_indexed_rows(facts[path].row_group_rows, int(info.size), path,
                                         fs.join(data_dir, sidecar.PARQUET_INDEX))
-    return ParquetCatalog(files, columns, facts=facts, pins=pins)
+    return ParquetCatalog(files, columns, facts=facts, listed=names, pins=pins)
   if parquet_info_path is not None:
     counts = sidecar.row_group_counts(files, sidecar.read_parquet_info(parquet_info_path))
     return ParquetCatalog(files, columns, counts=counts, counts_file=parquet_info_path,
-                          pins=pins)
-  return ParquetCatalog(files, columns, pins=pins)
+                          listed=names, pins=pins)
+  return ParquetCatalog(files, columns, listed=names, pins=pins)
 
 
 class ParquetRowSource:
@@ -220,6 +223,7 @@ class ParquetRowSource:
                cache: _RowGroupCache | None = None, max_cell_bytes: int | None = None):
     self._catalog = catalog or ParquetCatalog(files, columns)
     self._pins = self._catalog.pins  # reads are of the files the build listed, or dropped
+    self.listed = self._catalog.listed  # (name, size) per file of the folder, when listed
     self._files = list(files)
     self._columns = list(columns)
     self._max_cell_bytes = max_cell_bytes

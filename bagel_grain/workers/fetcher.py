@@ -96,6 +96,7 @@ class Fetcher:
     self._workers: list[Worker] = []
     self._failure: str | None = None
     self._closed = False
+    self._abandoned = threading.Event()  # set at close: the inline thread's reads stop retrying
     self._cond = threading.Condition()
     self._inline_queue: collections.deque[tuple[int, int]] = collections.deque()
     self._inline_key: tuple[int, int] | None = None
@@ -242,7 +243,7 @@ class Fetcher:
       for group, indices in upcoming.items():
         readahead.read_ahead_of(self._datasets[group], indices)
       cpu_s = time.thread_time()
-      with storage.element_scope() as spent:
+      with storage.element_scope(self._abandoned) as spent:
         try:
           value = self._datasets[key[0]][key[1]]
         except BaseException as e:  # pylint: disable=broad-except  # re-raised by the caller
@@ -424,6 +425,7 @@ class Fetcher:
       if self._closed:
         return
       self._closed = True
+      self._abandoned.set()
       self._cond.notify_all()
     if self._pump is not None:
       self._wake.send_bytes(b"")
