@@ -41,6 +41,8 @@ class DatasetSpec:
   parquet_info_path: str | None = None
   num_used_data: int | None = None
   array_record_path: str | None = None
+  # Converted data only: the records `dataset_info` says its files hold (checked on read).
+  num_records: int | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -258,6 +260,9 @@ def _datasets(family: Family, raw: Mapping, info: Mapping, info_dir: str, info_f
     if n is not None:
       n = number(n, int, file=file, group=group, key="num_used_data")
       check_range(n, 1, None, file=file, group=group, key="num_used_data")
+    if "array_record_path" in paths and "num_total_samples" in entry:
+      paths["num_records"] = number(entry["num_total_samples"], int, file=info_file,
+                                    group=group, key=f"{name}.num_total_samples")
     specs.append(DatasetSpec(name=name, num_used_data=n, **paths))
   return tuple(specs)
 

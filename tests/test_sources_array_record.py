@@ -65,3 +65,88 @@ def test_files_of_a_folder_read_as_one_source_that_pickles(tmp_path):
   assert [copy[i] for i in range(len(copy))] == rows
   with pytest.raises(IndexError):
     source[7]
+
+
+def _sized(n: int, fill: int) -> bytes:
+  return framing.encode({"image": bytes([fill]) * n, "captions": "{}"})
+
+
+def test_record_sizes_are_read_from_the_footer_before_the_records(tmp_path):
+  # Records crossing 64 KiB block boundaries, and a footer of 3,000 chunks spanning blocks.
+  records = [_sized(n, i % 251) for i, n in enumerate([10, 70_000, 5, 200_000] + [40] * 3000)]
+  converted = tmp_path / "converted"
+  converted.mkdir()
+  writer = array_record_module.ArrayRecordWriter(str(converted / "a.array_record"),
+                                                 "group_size:1,uncompressed")
+  for record in records:
+    writer.write(record)
+  writer.close()
+  write_array_record(converted / "b.array_record", [GOOD] * 3)  # compressed: no sizes here
+  source = ArrayRecordSource(array_record_files(str(converted)))
+  assert [source.record_bytes(i) for i in range(len(records))] == [len(r) for r in records]
+  assert [source.record_bytes(len(records) + i) for i in range(3)] == [None] * 3
+  part = pickle.loads(pickle.dumps(source.restrict(1, 4)))
+  assert [part.record_bytes(i) for i in range(3)] == [len(r) for r in records[1:4]]
+
+
+def test_a_huge_record_is_read_ahead_alone(tmp_path):
+  """With its size known, read-ahead starts a record larger than its bound only when
+  nothing else is held, not beside guesses of the small records' size."""
+  import threading
+
+  import grain
+
+  from bagel_grain.sources import readahead
+  from bagel_grain.sources.readahead import ReadAhead, ReadAheadRecords
+
+  sizes = [100, 100, 3 << 20, 100, 3 << 20, 100]
+  path = tmp_path / "a.array_record"
+  writer = array_record_module.ArrayRecordWriter(str(path), "group_size:1,uncompressed")
+  for i, n in enumerate(sizes):
+    writer.write(_sized(n, i))
+  writer.close()
+  source = ArrayRecordSource([str(path)])
+  gate, started = threading.Event(), []
+
+  class Gated(grain.MapDataset):
+    """The source's records; reads wait for the gate (none ends while the test looks)."""
+
+    def __init__(self):
+      super().__init__()
+
+    def __len__(self):
+      return len(source)
+
+    def __getitem__(self, index):
+      started.append(index)
+      if index:
+        gate.wait(30)
+      return source[index]
+
+    def record_bytes(self, index):
+      return source.record_bytes(index)
+
+  ahead = ReadAhead(max_bytes=1 << 20)
+  old_share = readahead._SHARE  # pylint: disable=protected-access
+  readahead.set_share((0, 1))
+  try:
+    ra = ReadAheadRecords(Gated(), files_of=lambda r: [], read_file=None, ahead=ahead, depth=5)
+    ra[0]
+    assert started == [0, 1]  # record 2 (3 MiB) waits until record 1 is taken
+    gate.set()
+    for i in range(1, len(sizes)):
+      assert ra[i]["image"] == bytes([i]) * sizes[i]
+  finally:
+    gate.set()
+    ahead.close()
+    readahead.set_share(old_share)
+
+
+@pytest.mark.parametrize("tail", [b"", b"\xff" * 64, bytes(range(256)) * 4])
+def test_a_footer_it_cannot_read_gives_no_sizes(tmp_path, tail):
+  from bagel_grain.sources.array_record_sizes import BLOCK, record_sizes
+  path = tmp_path / "f.array_record"
+  path.write_bytes(b"\x00" * (2 * BLOCK - len(tail)) + tail)  # no postscript where it belongs
+  assert record_sizes(str(path), 3) is None
+  path.write_bytes(b"\x00" * 100)  # shorter than a block
+  assert record_sizes(str(path), 3) is None

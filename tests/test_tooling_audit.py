@@ -2,6 +2,8 @@
 
 import collections
 import dataclasses
+import json
+import sys
 
 import pytest
 
@@ -90,3 +92,17 @@ def test_distributions_merge_in_any_order_and_bin_quantiles_stay_close(values, m
   for q in audit.QUANTILES:
     exact = a.quantile(q)
     assert abs(binned.quantile(q) - exact) <= 0.1 * exact + 1
+
+
+def test_without_matplotlib_the_audit_prints_and_writes_its_json(demo_dir, tmp_path,
+                                                                  monkeypatch, capsys):
+  from bagel_grain.tooling import audit_plot, cli
+  monkeypatch.setitem(sys.modules, "matplotlib", None)  # as in the loader's venv
+  out = tmp_path / "audit"
+  assert cli.main(["audit", "--data", str(demo_dir), "--out", str(out), "--sample", "4"]) == 0
+  printed = capsys.readouterr().out.splitlines()
+  assert printed[0] == "audit of a sample of 4 records per group"
+  assert audit_plot.HOW_TO_GET_IT in printed and "matplotlib" in audit_plot.HOW_TO_GET_IT
+  report = json.loads((out.parent / "audit.json").read_text())
+  assert all(g["records"] == 4 for g in report["groups"].values())
+  assert not (out.parent / "audit.png").exists()

@@ -11,11 +11,14 @@ from __future__ import annotations
 import os
 from importlib import resources
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import yaml
 
-from bagel_grain.config import PipelineConfig, config_from_dict
 from bagel_grain.errors import DatasetError
+
+if TYPE_CHECKING:
+  from bagel_grain.config import PipelineConfig
 
 # Each shipped config, and the command that writes the data it reads.
 DATA_MAKERS = {"demo": "make-sample-data", "bench": "make-bench-data"}
@@ -30,6 +33,7 @@ def shipped_path(name: str) -> Path:
 
 def load_shipped(name: str, data_dir: str | os.PathLike) -> PipelineConfig:
   """The shipped config `name` reading the data in `data_dir`."""
+  from bagel_grain.config import config_from_dict  # pylint: disable=import-outside-toplevel
   path, data_dir = shipped_path(name), os.path.abspath(data_dir)
   if not os.path.isfile(os.path.join(data_dir, "dataset_info.yaml")):
     raise DatasetError(f"no {name} data in {data_dir}; write it first with "

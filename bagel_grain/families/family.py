@@ -7,6 +7,7 @@ import enum
 from typing import TYPE_CHECKING, Any, Callable, ClassVar, Mapping
 
 from bagel_grain.drops import DropReason
+from bagel_grain.errors import DatasetError
 from bagel_grain.families.base import FamilyTransform
 from bagel_grain.sources.array_record import ArrayRecordSource, array_record_files
 from bagel_grain.sources.base import RecordSource
@@ -110,7 +111,7 @@ class Family:
     `max_image_bytes`: a parquet row with a larger binary cell is dropped unread."""
     kind = self.record_format(dataset)
     if kind is RecordFormat.ARRAY_RECORD:  # converted: records of any family
-      return ArrayRecordSource(array_record_files(dataset.array_record_path))
+      return _converted_source(dataset)
     if kind is RecordFormat.JSONL:
       return JsonlLineSource(dataset.jsonl_path, num_used=dataset.num_used_data,
                              shuffle_lines=group.shuffle_lines, shuffle_seed=group.shuffle_seed)
@@ -123,3 +124,16 @@ class Family:
     roles = {f"{role}_transform": getattr(config, field)
              for role, field in self.image_roles.items()}
     return self.transform(**roles, **self.transform_args(config), **common)
+
+
+def _converted_source(dataset: DatasetSpec) -> ArrayRecordSource:
+  """The dataset's ArrayRecord files, refused when they do not hold the records its
+  `dataset_info` states (a conversion killed midway, shards added or removed since)."""
+  source = ArrayRecordSource(array_record_files(dataset.array_record_path))
+  if dataset.num_records is not None and len(source) != dataset.num_records:
+    raise DatasetError(
+        f"dataset {dataset.name!r}: its ArrayRecord files hold {len(source)} records, its "
+        f"dataset_info says num_total_samples: {dataset.num_records}; the conversion did not "
+        "finish or its folder changed since: run `bagel-grain convert` again",
+        file=dataset.array_record_path, field="num_total_samples")
+  return source

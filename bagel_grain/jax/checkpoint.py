@@ -11,7 +11,8 @@ is the position after the last batch the trainer took; any other iterator is
 saved per process by Grain's own handler (`data/process_<i>-of-<n>.json`).
 
 Each shard file names the save it belongs to (`save`: the step and a run identity
-all processes share), so a step holding a file of another save is refused, as is
+all processes share; the process count, rows per batch and batches taken, which
+`bagel-grain replay` reads), so a step holding a file of another save is refused, as is
 one whose files do not make up exactly the shards of its count. Process 0 also
 writes `data/data_manifest.json`, the files each dataset held: a restore onto
 changed data names the files that changed, and tells records appended from records
@@ -36,7 +37,9 @@ from jax.experimental import multihost_utils
 from etils import epath
 
 from bagel_grain.errors import StateMismatchError
+from bagel_grain.jax.global_batch import DevicePrefetchIterator
 from bagel_grain.packing import shards
+from bagel_grain.packing.batch import BatchIterator
 from bagel_grain.sources.manifest import Manifest
 
 STATE, DATA = "state", "data"
@@ -55,14 +58,29 @@ def save(manager: ocp.CheckpointManager, step: int, state: Any,
 
   The iterator state is read now, synchronously; with `wait=False` the array
   writes finish in the background (call `manager.wait_until_finished()` before
-  the next save or exit).
+  the next save or exit). An iterator's ledger is written first: a checkpoint never
+  holds a position the ledger has not reached.
   """
+  if isinstance(iterator, DevicePrefetchIterator) and iterator.ledger is not None:
+    iterator.ledger.flush()
   saved = manager.save(step, args=ocp.args.Composite(**{
       STATE: ocp.args.StandardSave(state),
-      DATA: ShardStatesSave(iterator, save={"step": int(step), "run": run_identity()})}))
+      DATA: ShardStatesSave(iterator, save=save_facts(step, iterator))}))
   if wait:
     manager.wait_until_finished()
   return saved
+
+
+def save_facts(step: int, iterator: grain.DatasetIterator) -> dict[str, Any]:
+  """What a save records beside the position: the step and run identity (checked at
+  restore), and what a replay needs to rebuild the stream (the same in every process)."""
+  facts = {"step": int(step), "run": run_identity(), "processes": jax.process_count()}
+  if isinstance(iterator, DevicePrefetchIterator):
+    facts["batches"] = iterator.batches_taken
+    iterator = iterator.host_iterator
+  if isinstance(iterator, BatchIterator):
+    facts["batch_size"] = iterator.batch_size
+  return facts
 
 
 _RUN: list[str] = []
@@ -92,10 +110,17 @@ def restore(manager: ocp.CheckpointManager, step: int | None, state_template: An
   restored = manager.restore(step, args=ocp.args.Composite(**{
       STATE: ocp.args.StandardRestore(state_template),
       DATA: ShardStatesRestore(iterator, allow_changes=allow_changes, step=step)}))
+  if isinstance(iterator, DevicePrefetchIterator) and iterator.ledger is not None:
+    iterator.ledger.begin(iterator.batches_taken, restored=True)  # every process, together
   return restored[STATE]
 
 
 _SHARD_FILE = re.compile(r"shard_state_(\d+)-of-(\d+)\.json")
+
+
+def shard_files(directory: epath.Path) -> dict[str, re.Match]:
+  """A step's data folder: its shard files by name (the match: shard, count)."""
+  return {f.name: m for f in directory.iterdir() if (m := _SHARD_FILE.fullmatch(f.name))}
 
 
 @contextlib.contextmanager
@@ -142,40 +167,16 @@ class ShardStatesHandler:
   def restore(self, directory: epath.Path, item: Any = None, args: Any = None) -> Any:
     item = item if item is not None else args.item
     served = item.get_state()
-    files = {f.name: m for f in directory.iterdir() if (m := _SHARD_FILE.fullmatch(f.name))}
+    files = shard_files(directory)
     if not shards.is_sharded(served) or not files:  # Grain's per-process file (also from before
       process_file = directory / f"process_{jax.process_index()}-of-{jax.process_count()}.json"
       with _naming([process_file]):  # logical shards)
         return grain.checkpoint.CheckpointHandler().restore(
             directory, args=grain.checkpoint.CheckpointRestore(item))
-    count = shards.shard_count(served)
-    saved_counts = {int(m.group(2)) for m in files.values()}
-    if saved_counts != {count}:
-      raise StateMismatchError(
-          f"the checkpoint in {directory} holds logical shards of {sorted(saved_counts)} "
-          f"(logical_shards: saved {sorted(saved_counts)}, now {count}): restore with the "
-          "logical_shards it was saved with (unset means one per process)")
-    present = {int(m.group(1)) for m in files.values()}
-    if present != set(range(count)):
-      extra = sorted(n for n, m in files.items() if int(m.group(1)) >= count)
-      missing = sorted(set(range(count)) - present)
-      raise StateMismatchError(
-          f"the checkpoint in {directory} does not hold exactly the {count} logical shards "
-          f"it was saved with (files of no such shard: {extra or 'none'}; shards without a "
-          f"file: {missing or 'none'}): a copy gone wrong? Restore from a complete step")
-    _check_one_save(directory, sorted(files), args.step)
-    paths = [directory / f"shard_state_{shard}-of-{count}.json"
-             for shard in shards.served(served)]
-    parts = []
-    for path in paths:
-      with _naming([path]):
-        parts.append(json.loads(path.read_text()))
-    with _naming(paths):
-      joined = shards.joined_states(parts)
-      joined.pop("save", None)
-      item.set_state(joined, allow_changes=args.allow_changes,
-                     saved_manifests=_manifests(directory / _MANIFEST),
-                     saved_eras=_era_manifests(directory / _ERAS))
+    save = restore_shard_states(directory, item, step=args.step,
+                                allow_changes=args.allow_changes)
+    if isinstance(item, DevicePrefetchIterator):
+      item.batches_taken = batches_taken(save, args.step)
     item.start_prefetch()
     return item
 
@@ -195,6 +196,52 @@ class ShardStatesHandler:
   @classmethod
   def typestr(cls) -> str:
     return f"{cls.__module__}.{cls.__qualname__}"
+
+
+def restore_shard_states(directory: epath.Path, item: Any, *, step: int | None,
+                         allow_changes: bool = False) -> dict[str, Any] | None:
+  """Restores `item` (the pipeline's iterator, or one wrapping it) from a checkpoint
+  step's shard files: those of the shards it serves, all checked to make up one save
+  of `step`. Returns that save's facts (`save_facts`; None before they were kept)."""
+  served = item.get_state()
+  files = shard_files(directory)
+  count = shards.shard_count(served)
+  saved_counts = {int(m.group(2)) for m in files.values()}
+  if saved_counts != {count}:
+    raise StateMismatchError(
+        f"the checkpoint in {directory} holds logical shards of {sorted(saved_counts)} "
+        f"(logical_shards: saved {sorted(saved_counts)}, now {count}): restore with the "
+        "logical_shards it was saved with (unset means one per process)")
+  present = {int(m.group(1)) for m in files.values()}
+  if present != set(range(count)):
+    extra = sorted(n for n, m in files.items() if int(m.group(1)) >= count)
+    missing = sorted(set(range(count)) - present)
+    raise StateMismatchError(
+        f"the checkpoint in {directory} does not hold exactly the {count} logical shards "
+        f"it was saved with (files of no such shard: {extra or 'none'}; shards without a "
+        f"file: {missing or 'none'}): a copy gone wrong? Restore from a complete step")
+  _check_one_save(directory, sorted(files), step)
+  paths = [directory / f"shard_state_{shard}-of-{count}.json"
+           for shard in shards.served(served)]
+  parts = []
+  for path in paths:
+    with _naming([path]):
+      parts.append(json.loads(path.read_text()))
+  with _naming(paths):
+    joined = shards.joined_states(parts)
+    save = joined.pop("save", None)
+    item.set_state(joined, allow_changes=allow_changes,
+                   saved_manifests=_manifests(directory / _MANIFEST),
+                   saved_eras=_era_manifests(directory / _ERAS))
+  return save
+
+
+def batches_taken(save: Any, step: int | None) -> int:
+  """Batches the iterator had handed out at a save; a save before they were counted
+  says its step (the usual loop saves step N after N batches)."""
+  if isinstance(save, dict) and isinstance(save.get("batches"), int):
+    return save["batches"]
+  return int(step or 0)
 
 
 def _check_one_save(directory: epath.Path, names: list[str], step: int | None) -> None:

@@ -5,7 +5,8 @@ Each JAX process packs its own `[B_local, ...]` rows (docs/design.md, section 7)
 ...]` arrays sharded over the mesh's data axes. `sample_keys` stay on the host.
 `DevicePrefetchIterator` does this a few batches ahead in a thread and keeps the
 Grain state of the last batch handed out, so a checkpoint taken between steps
-resumes exactly after the batches the trainer consumed.
+resumes exactly after the batches the trainer consumed; with a ledger
+(`bagel_grain.ledger`) it records the samples of every batch the trainer takes.
 """
 
 from __future__ import annotations
@@ -17,7 +18,11 @@ from typing import Any, Callable, Iterable, NamedTuple, Sequence
 import grain
 import jax
 import numpy as np
+from etils import epath
+from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from bagel_grain.ledger import Ledger, step_rows
 
 HOST_FIELDS = ("sample_keys",)
 
@@ -77,15 +82,20 @@ class DevicePrefetchIterator(grain.DatasetIterator):
     saves the trainer's position; `set_state()` stops the thread, restores the
     wrapped iterator and starts again on the next call.
   - `close()` stops the thread and closes the wrapped iterator.
+  - `batches_taken`: batches `__next__` returned since the stream's start (a restore
+    through `bagel_grain.jax.restore` sets it to the saved count): the data step of the
+    next batch, as the `ledger` records it.
   """
 
   def __init__(self, parent: grain.DatasetIterator, to_device: Callable[[dict], Any], *,
-               buffer_size: int = 2):
+               buffer_size: int = 2, ledger: Ledger | None = None):
     super().__init__(parent)
     if buffer_size < 1:
       raise ValueError(f"buffer_size must be >= 1, got {buffer_size}")
     self._to_device = to_device
     self._buffer_size = buffer_size
+    self.ledger = ledger
+    self.batches_taken = 0
     self._state = parent.get_state()
     self._thread: threading.Thread | None = None
     self._stop = threading.Event()
@@ -106,10 +116,13 @@ class DevicePrefetchIterator(grain.DatasetIterator):
 
   def _produce(self) -> None:
     try:
+      before = self._parent.get_state() if self.ledger is not None else None
       while not self._stop.is_set():
         host = next(self._parent)
         state = self._parent.get_state()
-        if not self._put((_BATCH, (self._to_device(host), state))):
+        lines = step_rows(host, before, state) if self.ledger is not None else None
+        before = state
+        if not self._put((_BATCH, (self._to_device(host), state, lines))):
           return
     except StopIteration:
       self._put((_END, None))
@@ -153,7 +166,10 @@ class DevicePrefetchIterator(grain.DatasetIterator):
     if kind == _ERROR:
       self._failure = payload
       raise payload
-    batch, self._state = payload
+    batch, self._state, lines = payload
+    if self.ledger is not None:
+      self.ledger.record(self.batches_taken, lines)
+    self.batches_taken += 1
     return batch
 
   def get_state(self) -> dict[str, Any]:
@@ -166,6 +182,11 @@ class DevicePrefetchIterator(grain.DatasetIterator):
     self._parent.set_state(state, **options)
     self._state = self._parent.get_state()
     self._failure, self._ended = None, False
+
+  @property
+  def host_iterator(self) -> grain.DatasetIterator:
+    """The wrapped iterator of host batches."""
+    return self._parent
 
   def manifests(self):
     """The pipeline's data manifests (what a checkpoint keeps)."""
@@ -187,12 +208,25 @@ class DevicePrefetchIterator(grain.DatasetIterator):
 
 def device_iterator(dataset: grain.IterDataset | grain.DatasetIterator, mesh: Mesh, *,
                     data_axes: str | Sequence[str] = "data", replicated: Iterable[str] = (),
-                    buffer_size: int = 2) -> DevicePrefetchIterator:
-  """The pipeline's batches as prefetched global `DeviceBatch`es (a checkpointable iterator)."""
+                    buffer_size: int = 2,
+                    ledger: str | epath.PathLike | None = None) -> DevicePrefetchIterator:
+  """The pipeline's batches as prefetched global `DeviceBatch`es (a checkpointable iterator).
+
+  `ledger`: a folder (beside the checkpoints, e.g. `<checkpoints>/data_ledger`) where
+  each process records the samples of every batch taken, written at each
+  `bagel_grain.jax.save` (docs/debugging.md). Every process passes it; making the
+  iterator then agrees on the ledger's generation across processes.
+  """
   parent = dataset if isinstance(dataset, grain.DatasetIterator) else iter(dataset)
   replicated = tuple(replicated)
 
   def to_device(batch):
     return make_global_batch(batch, mesh, data_axes=data_axes, replicated=replicated)
 
-  return DevicePrefetchIterator(parent, to_device, buffer_size=buffer_size)
+  writer = None
+  if ledger is not None:
+    writer = Ledger(ledger, process_index=jax.process_index(),
+                    process_count=jax.process_count(),
+                    broadcast=multihost_utils.broadcast_one_to_all)
+    writer.begin(0)
+  return DevicePrefetchIterator(parent, to_device, buffer_size=buffer_size, ledger=writer)

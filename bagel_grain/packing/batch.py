@@ -152,6 +152,11 @@ class BatchIterator(StageIterator):
     batch["sample_keys"] = keys + [()] * (self._batch_size - len(keys))
     return batch
 
+  @property
+  def batch_size(self) -> int:
+    """Rows per batch."""
+    return self._batch_size
+
   def buffer_stats(self) -> dict[str, int]:
     """The batch buffers: pooled (and their bytes), held by the caller, reused, allocated."""
     with self._step:

@@ -21,6 +21,7 @@ from bagel_grain import fs
 from bagel_grain.drops import Drop, DropReason
 from bagel_grain.errors import DatasetError
 from bagel_grain.sources import framing
+from bagel_grain.sources.array_record_sizes import record_sizes
 from bagel_grain.sources.base import PartOffsets
 
 SUFFIX = ".array_record"
@@ -80,6 +81,12 @@ class ArrayRecordSource:
         [_FileInstruction(p, 0, n, n) for p, n in zip(self._paths, counts)])
 
     self._first, self._count = 0, len(self._offsets)
+    self._sizes: dict[int, np.ndarray | None] = {}  # per file, read on first use
+
+  def __getstate__(self):
+    state = self.__dict__.copy()
+    state["_sizes"] = {}  # each process reads the footers it needs
+    return state
 
   def __len__(self) -> int:
     return self._count
@@ -106,6 +113,15 @@ class ArrayRecordSource:
   def record_id(self, index: int) -> str:
     file, position = self._offsets.locate(self._check(index))
     return f"{self._paths[file]}:{position}"
+
+  def record_bytes(self, index: int) -> int | None:
+    """The record's size from its file's footer, unread (read-ahead admits its read by
+    it: a record of a gigabyte is read alone, not beside a guess); None if unknown."""
+    file, position = self._offsets.locate(self._check(index))
+    if file not in self._sizes:
+      self._sizes[file] = record_sizes(self._paths[file], int(self._offsets.sizes[file]))
+    sizes = self._sizes[file]
+    return None if sizes is None else int(sizes[position])
 
   def __getitem__(self, index: int) -> Any:
     index = self._check(index)

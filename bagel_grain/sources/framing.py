@@ -119,6 +119,21 @@ def _step(container: Any, step: Any, path: list) -> Any:
   raise FramingError(f"blob path {path!r} does not exist in the fields")
 
 
+def origin(data: bytes) -> str:
+  """The `origin` a framed record names, from its header alone (FramingError if none)."""
+  view = memoryview(data)
+  if len(view) < _PREFIX.size or _PREFIX.unpack_from(view)[0] != MAGIC:
+    raise FramingError("not a framed record")
+  body = _PREFIX.size + _PREFIX.unpack_from(view)[1]
+  try:
+    header = json.loads(bytes(view[_PREFIX.size:body]).decode("utf-8"))
+  except (ValueError, UnicodeDecodeError, RecursionError) as e:
+    raise FramingError(f"header is not JSON: {e}") from None
+  if not isinstance(header, dict) or not isinstance(header.get("origin"), str):
+    raise FramingError("header names no `origin`")
+  return header["origin"]
+
+
 def decode(data: bytes) -> tuple[str, Any]:
   """(format, fields) of a framed record; `jsonl_line` fields come as `LineWithFiles`.
 

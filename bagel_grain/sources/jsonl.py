@@ -147,6 +147,11 @@ class JsonlLineSource:
     self._load()
     return int(self._length[index])
 
+  def line_lengths(self) -> np.ndarray:
+    """Every line's length in bytes, in source order, unread (from the offsets)."""
+    self._load()
+    return self._length
+
   def __getitem__(self, index: int) -> bytes:
     self._load()
     if self._file is None:

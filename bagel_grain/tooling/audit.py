@@ -30,7 +30,6 @@ import numpy as np
 from PIL import Image
 
 from bagel_grain import fs
-from bagel_grain.errors import BagelGrainError
 from bagel_grain.packing.drop_policy import DropPolicy
 from bagel_grain.packing.layout import Geometry
 from bagel_grain.packing.prepare import PrepareSample, PreparedSample
@@ -415,61 +414,16 @@ def summary(report: dict[str, Any]) -> str:
   return "\n".join(lines)
 
 
-def plot(report: dict[str, Any], path: str) -> None:
-  """A PNG: per group, histograms of text / ViT / VAE tokens per sample and of image sides."""
-  try:
-    import matplotlib  # pylint: disable=import-outside-toplevel
-  except ImportError:
-    raise BagelGrainError("the audit's PNG needs matplotlib: run `bagel-grain audit` from the "
-                          "Beam venv (.venv-beam, bagel_grain[beam])") from None
-  matplotlib.use("Agg")
-  from matplotlib import pyplot as plt  # pylint: disable=import-outside-toplevel
-  names = list(report["groups"])
-  fig, axes = plt.subplots(len(names), 4, figsize=(16, 3.2 * max(1, len(names))),
-                           squeeze=False)
-  panels = (("text", "text tokens per sample"), ("vit", "ViT tokens per sample"),
-            ("vae", "VAE tokens per sample"))
-  for row, name in zip(axes, names):
-    g = report["groups"][name]
-    for ax, (kind, label) in zip(row, panels):
-      _bars(ax, g["tokens_per_sample"][kind], label)
-      ax.set_title(f"{name}: {label}")
-      ax.set_xlabel(f"{label.split(' per')[0]} (tokens, log scale)")
-      ax.set_ylabel("samples")
-    ax = row[3]
-    for kind, colour in (("width_before", "tab:gray"), ("width_after", "tab:blue")):
-      _bars(ax, g["image_sizes"][kind], kind.replace("_", " "), colour)
-    ax.set_title(f"{name}: image width, resized or not")
-    ax.set_xlabel("width (pixels, log scale)")
-    ax.set_ylabel("images")
-    ax.legend(fontsize=8)
-  fig.suptitle("bagel-grain audit" + (f" (sample of {report['sample']} per group)"
-                                      if report["sample"] else ""))
-  fig.tight_layout()
-  out = io.BytesIO()
-  fig.savefig(out, format="png", dpi=80)
-  plt.close(fig)
-  fs.write_bytes(path, out.getvalue())
-
-
-def _bars(ax, dist: dict, label: str, colour: str = "tab:blue") -> None:
-  if not dist.get("count") or dist["max"] == 0:
-    ax.text(0.5, 0.5, "none" if not dist.get("count") else f"all {dist['count']} are 0",
-            ha="center", va="center", transform=ax.transAxes)
-    return
-  from matplotlib import ticker  # pylint: disable=import-outside-toplevel
-  h = dist["histogram"]
-  lower, upper = np.maximum(h["lower"], 0.5), np.asarray(h["upper"])
-  ax.bar(lower, h["counts"], width=upper - lower, align="edge", color=colour, alpha=0.7,
-         label=label)
-  ax.set_xscale("log")
-  ax.xaxis.set_minor_formatter(ticker.NullFormatter())
-
-
-def write_report(report: dict[str, Any], out: str) -> tuple[str, str]:
-  """Writes `OUT.json` and `OUT.png` (OUT may be a bucket URI); returns their paths."""
+def write_report(report: dict[str, Any], out: str,
+                 config_name: str = "the config") -> tuple[str, str | None]:
+  """Writes `OUT.json` and, when matplotlib is there, `OUT.png` (`audit_plot`); OUT may be a
+  bucket URI. Returns their paths, None for a PNG not drawn."""
   import json  # pylint: disable=import-outside-toplevel
+  from bagel_grain.tooling import audit_plot  # pylint: disable=import-outside-toplevel
   json_path, png_path = f"{out}.json", f"{out}.png"
   fs.write_bytes(json_path, json.dumps(report, indent=1).encode())
-  plot(report, png_path)
+  try:
+    audit_plot.write_png(report, png_path, config_name)
+  except audit_plot.PlotUnavailable:
+    return json_path, None
   return json_path, png_path

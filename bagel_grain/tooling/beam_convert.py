@@ -18,13 +18,18 @@ writes the loader's layout straight to local disk, gs:// or s3://.
 from __future__ import annotations
 
 import concurrent.futures
+import json
 import os
 from typing import Sequence
 
 import apache_beam as beam
 
+from bagel_grain import fs
 from bagel_grain.config import load_config
 from bagel_grain.tooling import beam_runner, convert
+
+# The records each shard holds, handed back from the workers (deleted once read).
+COUNTS = ".bagel_grain_convert_counts.json"
 
 
 class WriteShards(beam.DoFn):
@@ -83,18 +88,32 @@ def run_convert(config_path: str | os.PathLike, out_dir: str | os.PathLike, runn
                 writer_options: str = convert.DEFAULT_WRITER_OPTIONS, overwrite: bool = False,
                 num_threads: int = 16, fail_first: str | None = None) -> convert.Conversion:
   """Converts the config's data on the runner; writes `dataset_info.yaml` and `config.yaml`
-  from here once every shard is written (the same files as `convert_config_file`)."""
+  from here once every shard is written (the same files as `convert_config_file`). Shards
+  a killed run finished are kept (`convert.write_shard` verifies them on the workers)."""
   config_path = convert.config_path_of(config_path)
   cfg = load_config(config_path)
   out_dir = convert.output_dir(out_dir)
   tasks = convert.plan_config(cfg, out_dir, records_per_shard=records_per_shard,
                               overwrite=overwrite)
   body = WriteShards(config_path, writer_options, num_threads, fail_first)
+  counts = fs.join(out_dir, COUNTS)
   with beam.Pipeline(options=beam_runner.pipeline_options(runner, extra)) as p:
-    written = (p
-               | "shard tasks" >> beam.Create(tasks)
-               | "spread" >> beam.Reshuffle()
-               | "write shards" >> beam.ParDo(body))
-    del written
-  return convert.write_converted_config(config_path,
-                                        convert.write_dataset_info(cfg, out_dir, tasks))
+    _ = (p
+         | "shard tasks" >> beam.Create(tasks)
+         | "spread" >> beam.Reshuffle()
+         | "write shards" >> beam.ParDo(body)
+         | "records per shard" >> beam.Map(_path_and_count)
+         | "gather" >> beam.combiners.ToList()
+         | "hand back" >> beam.Map(_write_counts, counts))
+  written = json.loads(fs.read_bytes(counts))
+  filesystem, name = fs.filesystem(counts)
+  filesystem.delete_file(name)
+  return convert.finish(cfg, out_dir, tasks, written, config_path)
+
+
+def _path_and_count(written: tuple[convert.ShardTask, int]) -> tuple[str, int]:
+  return written[0].path, written[1]
+
+
+def _write_counts(counts: list, path: str) -> None:
+  fs.write_bytes(path, json.dumps(dict(counts)).encode())

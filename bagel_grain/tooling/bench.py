@@ -20,7 +20,9 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import os
 import statistics
+import tempfile
 import threading
 import time
 from typing import Any, Callable, Sequence
@@ -31,6 +33,7 @@ import psutil
 
 from bagel_grain import held_memory
 from bagel_grain.config import PipelineConfig
+from bagel_grain.ledger import Ledger, step_rows
 from bagel_grain.pipeline import (build_pipeline, family_transform, group_seed, group_source,
                                   pipeline_stats)
 from bagel_grain.packing.prepare import resized_image_tokens
@@ -338,6 +341,45 @@ class _ReadAhead:
     return self._cache.pop(index)
 
 
+def measure_ledger(cfg: PipelineConfig, tokenizer, *, batch_size: int, step_s: float,
+                   batches: int = 10) -> dict[str, Any]:
+  """The data ledger's cost (`bagel_grain.ledger`) against `step_s`, a step's data time:
+  the training loop's part (keeping a batch's lines, and the segment written at a save,
+  per batch) and the prefetch thread's (making the lines); its bytes per sample and per
+  1M steps, beside the packed rows' token bytes (the per-position arrays)."""
+  with tempfile.TemporaryDirectory() as tmp:
+    ledger = Ledger(tmp)
+    ledger.begin(0)
+    make_s = record_s = 0.0
+    samples = token_bytes = 0
+    with iter(build_pipeline(cfg, tokenizer, batch_size=batch_size, workers=0)) as it:
+      before = it.get_state()
+      for step in range(batches):
+        batch = next(it)
+        after = it.get_state()
+        t0 = time.perf_counter()
+        lines = step_rows(batch, before, after)
+        t1 = time.perf_counter()
+        ledger.record(step, lines)
+        record_s += time.perf_counter() - t1
+        make_s += t1 - t0
+        before = after
+        samples += len(lines.row)
+        length = batch["text_ids"].shape[1]
+        token_bytes += sum(v.nbytes for k, v in batch.items() if k != "sample_keys"
+                           and v.ndim == 2 and v.shape[1] == length)
+    t0 = time.perf_counter()
+    path = ledger.flush()
+    flush_s = time.perf_counter() - t0
+    size = os.path.getsize(path)
+  loop_s = (record_s + flush_s) / batches
+  return {"batches": batches, "samples_per_step": samples / batches,
+          "loop_s_per_step": loop_s, "loop_share_of_step": loop_s / step_s,
+          "lines_s_per_step": make_s / batches, "lines_share_of_step": make_s / batches / step_s,
+          "bytes_per_sample": size / samples, "bytes_per_1m_steps": size / batches * 1e6,
+          "share_of_token_bytes": size / token_bytes, "step_s": step_s}
+
+
 def run_bench(cfg: PipelineConfig, tokenizer, *, workers: Sequence[int], seconds: float,
               windows: int = 5, batch_size: int = 1,
               log: Callable[[str], None] = _silent) -> dict[str, Any]:
@@ -367,13 +409,19 @@ def run_bench(cfg: PipelineConfig, tokenizer, *, workers: Sequence[int], seconds
   say(f"draft against exact decoding of {min(len(keys), JPEG_DRAFT_SAMPLES)} samples")
   draft = measure_jpeg_draft(cfg, keys, seed=cfg.data_seed, log=say)
   say("done")
+  say = phase("ledger")
+  say("the data ledger's cost per step, on 10 batches")
+  ledger = measure_ledger(cfg, tokenizer, batch_size=batch_size, step_s=min(
+      sum(w["seconds"] for w in r["windows"]) / max(sum(w["rows"] for w in r["windows"]), 1)
+      for r in runs) * batch_size)
+  say("done")
   for r in runs:
     r["ratio_to_floor"] = r["image_tokens_per_s"] / floor["image_tokens_per_s"]
     del r["keys_by_window"]
   single = reference["image_tokens_per_s"]
   for r in runs:
     r["speedup_vs_0_workers"] = r["image_tokens_per_s"] / single
-  return {"floor": floor, "runs": runs, "jpeg_draft": draft,
+  return {"floor": floor, "runs": runs, "jpeg_draft": draft, "ledger": ledger,
           "config": {"expected_num_tokens": cfg.expected_num_tokens,
                      "max_num_tokens": cfg.max_num_tokens,
                      "groups": [g.name for g in cfg.groups], "batch_size": batch_size,
@@ -398,6 +446,7 @@ def format_table(report: dict[str, Any]) -> str:
   lines.append(f"jpeg_draft fast path (opt-in): {d['speedup']:.2f}x the exact decode+resize; "
                f"pixels differ in {d['images_changed']}/{d['images']} images, mean "
                f"{d['mean_abs_diff']:.2f}, max {d['max_abs_diff']} (uint8)")
+  lines.append(ledger_line(report["ledger"]))
   ratio = report["floor"]["parquet_bytes_read_per_byte_used"]
   if ratio is not None:
     lines.append(f"parquet bytes read per byte used: {ratio:.3f} (row-group bytes decoded from "
@@ -422,6 +471,17 @@ def format_table(report: dict[str, Any]) -> str:
   for r in report["runs"]:
     lines.extend(_memory_lines(r))
   return "\n".join(lines)
+
+
+def ledger_line(ledger: dict[str, Any]) -> str:
+  """The data ledger's costs, as `format_table` prints them."""
+  return (f"data ledger (opt-in): training loop {ledger['loop_s_per_step'] * 1e6:.0f} us/step "
+          f"({ledger['loop_share_of_step']:.3%} of a step's data time, "
+          f"{ledger['step_s'] * 1e3:.0f} ms), prefetch thread "
+          f"{ledger['lines_s_per_step'] * 1e6:.0f} us/step "
+          f"({ledger['lines_share_of_step']:.3%}); {ledger['bytes_per_sample']:.1f} bytes/sample, "
+          f"{ledger['bytes_per_1m_steps'] / 2**20:,.0f} MiB per 1M steps "
+          f"({ledger['share_of_token_bytes']:.4%} of the packed token bytes)")
 
 
 def _memory_lines(run: dict[str, Any]) -> list[str]:

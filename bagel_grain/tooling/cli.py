@@ -1,4 +1,4 @@
-"""The `bagel-grain` command: make-sample-data, demo, inspect, make-bench-data, bench, index, convert, audit.
+"""The `bagel-grain` command: make-sample-data, demo, inspect, make-bench-data, bench, index, convert, audit, replay, ledger.
 
 Results go to stdout, progress and errors to stderr. An error is one line naming
 what failed (`--debug` shows the traceback instead).
@@ -202,7 +202,9 @@ def _convert(args) -> int:
     done = convert_config_file(args.config, args.out, records_per_shard=args.records_per_shard,
                                overwrite=args.overwrite, num_threads=args.threads)
   for d in done.datasets:
-    print(f"{d.group}/{d.name}: {d.num_records} records in {len(d.files)} ArrayRecord files")
+    print(f"{d.group}/{d.name}: {d.num_records} records in {len(d.files)} ArrayRecord files"
+          + (f"; {d.skipped} lines longer than the text bound not converted" if d.skipped
+             else ""))
   print(f"wrote {done.dataset_info}\nuse it with: --config {done.config}")
   print(f"converted in {time.perf_counter() - start:.1f} s")
   return 0
@@ -232,9 +234,69 @@ def _audit(args) -> int:
                                     seed=args.seed)
     report = audit.build_report(cfg, merged, sample=args.sample,
                                 epoch_sizes=audit.epoch_sizes(cfg, args.seed))
-  paths = audit.write_report(report, out)
   print(audit.summary(report))
-  print(f"wrote {paths[0]} and {paths[1]} in {time.perf_counter() - start:.1f} s")
+  config_name = args.config or f"the shipped {args.shipped} config on {args.data}"
+  json_path, png_path = audit.write_report(report, out, config_name)
+  if png_path is None:
+    from bagel_grain.tooling.audit_plot import HOW_TO_GET_IT
+    print(HOW_TO_GET_IT)
+  print(f"wrote {json_path}{' and ' + png_path if png_path else ''} in "
+        f"{time.perf_counter() - start:.1f} s")
+  return 0
+
+
+def _replay(args) -> int:
+  # pylint: disable=import-outside-toplevel
+  from tqdm import tqdm
+
+  from bagel_grain.tokenizer import load_tokenizer
+  from bagel_grain.tooling import replay
+
+  cfg = _config(args)
+  tokenizer = load_tokenizer(cfg.tokenizer_path)
+  if args.png:
+    os.makedirs(args.png, exist_ok=True)
+  start = time.perf_counter()
+
+  def bar(total: int):
+    print(f"packing {total} batches forward from the checkpoint", file=sys.stderr)
+    return tqdm(total=total, desc="replay", unit="batch", file=sys.stderr)
+
+  batches = replay.replay(cfg, tokenizer, args.checkpoint, args.step, process=args.process,
+                          processes=args.processes, batch_size=args.batch_size,
+                          allow_changes=args.allow_changes, seed=args.seed,
+                          workers=args.workers, progress=bar)
+  for replayed in batches:
+    print(replay.describe(replayed, tokenizer, cfg, width=args.width, png_dir=args.png))
+  print(f"replayed in {time.perf_counter() - start:.1f} s", file=sys.stderr)
+  return 0
+
+
+def _ledger(args) -> int:
+  from bagel_grain import ledger  # pylint: disable=import-outside-toplevel
+  start = time.perf_counter()
+  files = ledger.open_ledger(args.dir)
+  if args.step is not None:
+    table = files.at_step(args.step)
+    print(f"step {args.step}: {table.num_rows} samples"
+          + ("" if table.num_rows else " (not in the ledger: not trained yet, or not saved)"))
+    for line in table.to_pylist():
+      print(f"process {line['process']} row {line['row']} shard {line['shard']} "
+            f"slot {line['slot']}: {line['group']} {line['record']} epoch {line['epoch']} "
+            f"index {line['index']} {line['tokens']} tokens")
+  elif args.record is not None:
+    table = files.of_record(args.record)
+    print(f"record {args.record}: {table.num_rows} samples in {len(set(table['step'].to_pylist()))} "
+          "steps")
+    for line in table.to_pylist():
+      print(f"step {line['step']} process {line['process']} row {line['row']} shard "
+            f"{line['shard']} slot {line['slot']}: {line['group']} epoch {line['epoch']}")
+  else:
+    print(f"steps 0..{files.last_step()} ({len(files.segments)} segments)")
+    print("group            samples          tokens  epoch")
+    for group, counts in files.stats().items():
+      print(f"{group:16s} {counts['samples']:8d} {counts['tokens']:15d} {counts['epoch']:6d}")
+  print(f"answered in {time.perf_counter() - start:.3f} s", file=sys.stderr)
   return 0
 
 
@@ -374,7 +436,9 @@ def build_parser() -> argparse.ArgumentParser:
                  help="the output folder; gets dataset_info.yaml and config.yaml")
   p.add_argument("--records-per-shard", type=_at_least(1), default=4096,
                  help="records per ArrayRecord file")
-  p.add_argument("--overwrite", action="store_true", help="replace existing output files")
+  p.add_argument("--overwrite", action="store_true",
+                 help="delete every shard in the output and write all again (without it, the "
+                 "same command after a kill resumes: complete shards are verified and kept)")
   p.add_argument("--threads", type=_at_least(1), default=16,
                  help="reader threads (per worker with --runner)")
   _add_runner_options(p)
@@ -394,6 +458,41 @@ def build_parser() -> argparse.ArgumentParser:
   p.add_argument("--task-elements", type=_at_least(1), default=256,
                  help="with --runner: records of one group per work item")
   _add_runner_options(p)
+
+  p = command("replay", _replay, "the batch the trainer took at a data step, packed forward "
+              "from the nearest checkpoint: per process and row, each sample's group, record, "
+              "epoch, tokens, images and text")
+  _add_config_options(p, "demo")
+  p.add_argument("--checkpoint", required=True,
+                 help="the folder of checkpoints bagel_grain.jax.save wrote")
+  p.add_argument("--step", type=_at_least(0), required=True,
+                 help="the data step (batches taken before it, from 0)")
+  p.add_argument("--process", type=_at_least(0), default=None,
+                 help="only this process (default: every process of the run)")
+  p.add_argument("--processes", type=_at_least(1), default=None,
+                 help="the run's process count from that checkpoint on (default: what the "
+                 "checkpoints recorded)")
+  p.add_argument("--batch-size", type=_at_least(1), default=None,
+                 help="rows per batch per process (default: what the checkpoints recorded)")
+  p.add_argument("--allow-changes", action="store_true",
+                 help="the run continued from the checkpoint under this changed config (a new "
+                 "stage of training)")
+  p.add_argument("--seed", type=int, default=None,
+                 help="the stream's seed, if the run overrode the config's")
+  p.add_argument("--workers", type=_at_least(0), default=None,
+                 help="decoding worker processes (default: the config's num_workers)")
+  p.add_argument("--width", type=_at_least(0), default=60, help="characters of text per sample")
+  p.add_argument("--png", default=None, help="also draw each row, as inspect does, into this "
+                 "folder")
+
+  p = command("ledger", _ledger, "query a run's data ledger (device_iterator(..., ledger=)): "
+              "the samples of a step, the steps of a record, or what each group gave")
+  p.add_argument("dir", help="the ledger folder, or the checkpoint folder holding data_ledger/")
+  what = p.add_mutually_exclusive_group(required=True)
+  what.add_argument("--step", type=_at_least(0), help="the samples of this data step")
+  what.add_argument("--record", help="every step that trained this record id")
+  what.add_argument("--stats", action="store_true",
+                    help="per group: samples, distinct records and tokens trained")
   return parser
 
 

@@ -1,6 +1,12 @@
 """`bagel-grain convert --runner`: the loader venv's in-process shards, byte for byte, whatever
 the runner, the worker count, a retried bundle or the storage."""
 
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 
 from bagel_grain import fs
@@ -56,5 +62,25 @@ def test_shards_are_uploaded_to_a_bucket(in_process, kind, monkeypatch):
     assert done.config == f"{out}/config.yaml"
     for name, data in expected.items():
       assert fs.read_bytes(f"{out}/{name}") == data, name
-    with pytest.raises(Exception, match="overwrite"):
-      beam_convert.run_convert(str(config), out, "DirectRunner", records_per_shard=16)
+    with pytest.raises(Exception, match="does not write.*overwrite"):  # another plan's
+      beam_convert.run_convert(str(config), out, "DirectRunner", records_per_shard=20)
+
+
+# Killed mid-shard (after 20 records: in the second shard written) and between shards (after 5
+# whole shards); then the same command.
+@pytest.mark.parametrize("where,n", [("record", 20), ("shard", 5)])
+def test_a_killed_runner_resumes_to_the_loader_venvs_bytes(in_process, tmp_path, where, n):
+  config, expected = in_process
+  out = tmp_path / "out"
+  killer = Path(__file__).resolve().parents[1] / "killed_convert.py"
+  done = subprocess.run([sys.executable, str(killer), str(config), str(out), where, str(n),
+                         "DirectRunner"], capture_output=True, text=True, timeout=300,
+                        check=False, env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+  assert done.returncode == -signal.SIGKILL, done.stderr[-3000:]
+  finished = {p: p.stat().st_mtime_ns for p in out.rglob("*.array_record")}
+  assert len(finished) == (1 if where == "record" else n)
+  assert not (out / "config.yaml").exists()
+  assert any(".partial-" in p.name for p in out.rglob("*")) == (where == "record")
+  beam_convert.run_convert(str(config), out, "DirectRunner", records_per_shard=16)
+  assert tree_bytes(out) == expected  # no partial file either
+  assert all(p.stat().st_mtime_ns == t for p, t in finished.items())  # kept, not rewritten
