@@ -1,29 +1,48 @@
-"""One filesystem layer (pyarrow.fs) for every file the pipeline touches.
+"""One filesystem layer for every file the pipeline touches.
 
-Local paths and URIs (gs://, s3://, hdfs://) go through the same calls, so remote
-storage needs no change in sources or families. Endpoints and credentials come
-from the environment, as the clouds' own tools read them (never from code):
+Local paths and URIs (gs://, s3://) go through the same calls, so remote storage
+needs no change in sources or families. Endpoints and credentials come from the
+environment, as the clouds' own tools read them (never from code):
 
-- s3://: `AWS_ACCESS_KEY_ID`, `AWS_SECRET_ACCESS_KEY`, `AWS_SESSION_TOKEN`,
-  `AWS_DEFAULT_REGION` / `AWS_REGION`, and `AWS_ENDPOINT_URL_S3` or
-  `AWS_ENDPOINT_URL` for an S3-compatible server (`http://host:port`).
-- gs://: Google's default credentials (`GOOGLE_APPLICATION_CREDENTIALS`, the
-  metadata server), and `STORAGE_EMULATOR_HOST` for a GCS emulator (then anonymous).
+- s3://: `AWS_ACCESS_KEY_ID`, `AWS_SECRET_ACCESS_KEY`, `AWS_SESSION_TOKEN` (or the
+  `AWS_PROFILE` of `~/.aws/credentials`), `AWS_DEFAULT_REGION` / `AWS_REGION`, and
+  `AWS_ENDPOINT_URL_S3` or `AWS_ENDPOINT_URL` for an S3-compatible server.
+- gs://: an OAuth token (`GOOGLE_OAUTH_ACCESS_TOKEN`, google-auth's default
+  credentials if installed, else the metadata server), and `STORAGE_EMULATOR_HOST`
+  for a GCS emulator (then anonymous).
 
-One filesystem object per scheme, bucket and environment is made per process
-and reused: a new S3 or GCS client for every read would cost a handshake each,
-and the client keeps its connections open between requests.
+Reads and listings of objects go through our own bounded client (`remote.s3`,
+`remote.gcs` over `remote.http`): every request ends by the deadline of its
+scope (`deadline_scope`, which `storage.RetryPolicy` sets for each attempt), a
+body is read to at most its bound, a listing to at most `max_entries` files and
+never in circles, and redirects are not followed. Writes go through pyarrow.fs.
 
-The clients' own retries are off or short (S3: 1 attempt; GCS: 1 s) and a request
-that receives nothing for `REQUEST_TIMEOUT_S` is cut: the retries that wait out
-an outage are `storage.RetryPolicy`'s, which count them, log once per outage and
-stop at the configured deadline.
+The API other modules build on (stable):
+
+- `FileInfo` (`file_info(path)`, `list_file_infos(folder, suffix, max_entries=)`):
+  `.path .kind .size .mtime_ns .base_name`, and the identity of the content as
+  the store reports it: `.etag`, `.generation` (GCS generation, S3 version id),
+  `.md5` (hex), `.crc32c` (8 hex digits), each None where unknown (always on
+  local disk); `.content_id` sums them up ("md5:...", "crc32c:...", "etag:...").
+- `read_file(path, max_bytes, pin=None)`, `read_range(path, offset, length,
+  pin=None)`, `open_random_access(path, pin=None)`: with `pin` (the `FileInfo` a
+  listing gave) the bytes read are those the listing saw: GCS reads that
+  generation (an identical re-upload, same crc32c and MD5, is read in its place),
+  S3 sends `If-Match: <ETag>`, local disk compares size and modification time.
+  Otherwise `ObjectChanged`, a definite answer.
+- Definite answers raise `FileNotFoundError`, `PermissionError`, `FileRefused`
+  (too large, not a regular file), `ObjectChanged`, `ListingError`
+  (`ListingTooLong` past `max_entries`, `BadListing` for a store that pages in
+  circles); transient ones `ConnectionError` / `TimeoutError`
+  (`storage.is_transient`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import functools
+import io
 import os
 import posixpath
 import shutil
@@ -31,14 +50,34 @@ import stat
 import tempfile
 import urllib.parse
 
+import pyarrow as pa
 from pyarrow import fs as pafs
 
-REQUEST_TIMEOUT_S = 10.0  # a request that receives nothing for this long fails (transient)
-CONNECT_TIMEOUT_S = 5.0
-_CLIENT_ATTEMPTS = 1  # S3 client: no retry of its own, every failure reaches ours
-_CLIENT_RETRY_S = 1  # GCS client: its own retries end within a second, then ours
+from bagel_grain.remote import gcs, http, s3
+from bagel_grain.remote.http import deadline_scope  # noqa: F401  (re-exported)
+from bagel_grain.remote.objects import (MAX_LIST_ENTRIES, BadListing, FileInfo,  # noqa: F401
+                                        ListingError, ListingTooLong)
+
+REQUEST_TIMEOUT_S = http.IDLE_S  # a request that receives nothing for this long fails
+CONNECT_TIMEOUT_S = http.CONNECT_S
+_CLIENT_ATTEMPTS = 1  # pyarrow's S3 client (writes): no retry of its own
+_CLIENT_RETRY_S = 1  # pyarrow's GCS client (writes): its retries end within a second
 _ENV = ("AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL", "AWS_DEFAULT_REGION", "AWS_REGION",
-        "STORAGE_EMULATOR_HOST")
+        "STORAGE_EMULATOR_HOST", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY",
+        "AWS_SESSION_TOKEN", "AWS_PROFILE", "AWS_SHARED_CREDENTIALS_FILE")
+_NO_BOUND = 1 << 62
+
+
+class ObjectChanged(http.DefiniteError):
+  """The file is not the one its listing saw (the pin): other bytes, a rewrite."""
+
+
+class FileRefused(http.DefiniteError):
+  """A file not read on purpose: `regular` False for a FIFO, device or socket, else too large."""
+
+  def __init__(self, message: str, *, regular: bool):
+    super().__init__(message)
+    self.regular = regular
 
 
 def is_uri(path: str) -> bool:
@@ -66,6 +105,27 @@ def resolve(path: str, relative_to: str | None) -> str:
   return join(relative_to, path)
 
 
+def _env() -> tuple:
+  return tuple(os.environ.get(k) for k in _ENV)
+
+
+@functools.lru_cache(maxsize=None)
+def _client(scheme: str, env: tuple) -> s3.S3Client | gcs.GCSClient:
+  settings = dict(zip(_ENV, env))
+  return s3.S3Client(settings) if scheme == "s3" else gcs.GCSClient(settings)
+
+
+def _object(path: str) -> tuple[s3.S3Client | gcs.GCSClient, str, str] | None:
+  """(client, bucket, key) of an s3:// or gs:// URI; None for any other path."""
+  if not is_uri(path):
+    return None
+  scheme, rest = path.split("://", 1)
+  if scheme not in ("s3", "gs", "gcs"):
+    return None
+  bucket, _, key = rest.partition("/")
+  return _client("s3" if scheme == "s3" else "gs", _env()), bucket, key
+
+
 def _endpoint(url: str) -> tuple[str, str]:
   """(scheme, host:port) of an endpoint given as `http://host:port` or `host:port`."""
   parsed = urllib.parse.urlsplit(url if "://" in url else "http://" + url)
@@ -87,8 +147,8 @@ def _remote(scheme: str, env: tuple) -> pafs.FileSystem:
   if scheme in ("gs", "gcs"):
     host = settings["STORAGE_EMULATOR_HOST"]
     if host:
-      http, netloc = _endpoint(host)
-      return pafs.GcsFileSystem(anonymous=True, endpoint_override=netloc, scheme=http,
+      http_scheme, netloc = _endpoint(host)
+      return pafs.GcsFileSystem(anonymous=True, endpoint_override=netloc, scheme=http_scheme,
                                 retry_time_limit=_gcs_retry())
     return pafs.GcsFileSystem(retry_time_limit=_gcs_retry())
   raise ValueError(scheme)
@@ -99,101 +159,214 @@ def _gcs_retry() -> datetime.timedelta:
 
 
 def filesystem(path: str) -> tuple[pafs.FileSystem, str]:
-  """The pyarrow filesystem holding `path`, and the path as that filesystem spells it."""
+  """The pyarrow filesystem holding `path`, and the path as it spells it (for writes)."""
   if not is_uri(path):
     return pafs.LocalFileSystem(), os.path.abspath(path)
   scheme, rest = path.split("://", 1)
   if scheme in ("s3", "gs", "gcs"):
-    return _remote(scheme, tuple(os.environ.get(k) for k in _ENV)), rest.rstrip("/")
+    return _remote(scheme, _env()), rest.rstrip("/")
   return pafs.FileSystem.from_uri(path)
 
 
 def exists(path: str) -> bool:
-  fs, p = filesystem(path)
-  return fs.get_file_info(p).type != pafs.FileType.NotFound
+  return file_info(path).kind != "missing"
 
 
 def is_dir(path: str) -> bool:
-  fs, p = filesystem(path)
-  return fs.get_file_info(p).type == pafs.FileType.Directory
+  return file_info(path).kind == "folder"
 
 
 def kind(path: str) -> str:
   """"file" (a regular file), "folder", "missing", or "special file" (FIFO, device, socket)."""
-  return kind_of(file_info(path))
+  return file_info(path).kind
 
 
-def kind_of(info: pafs.FileInfo) -> str:
+def kind_of(info: FileInfo) -> str:
   """`kind` of a path whose `file_info` is at hand (one request less on an object store)."""
-  return {pafs.FileType.File: "file", pafs.FileType.Directory: "folder",
-          pafs.FileType.NotFound: "missing"}.get(info.type, "special file")
+  return info.kind
 
 
-def file_info(path: str) -> pafs.FileInfo:
-  """Type, size and modification time of one path (one request on an object store)."""
-  fs, p = filesystem(path)
-  return fs.get_file_info(p)
+def file_info(path: str) -> FileInfo:
+  """Type, size, modification time and reported identity of one path (on an object store
+  one request, two for a folder)."""
+  remote = _object(path)
+  if remote is None:
+    return _local_info(os.path.abspath(path), follow=True)
+  client, bucket, key = remote
+  key = key.rstrip("/")
+  if key:
+    try:
+      return client.head(bucket, key)
+    except FileNotFoundError:
+      pass
+  folder = client.has_children(bucket, f"{key}/" if key else "")
+  return FileInfo(path, "folder" if folder else "missing")
 
 
-def list_file_infos(folder: str, suffix: str = "") -> list[pafs.FileInfo]:
+def _local_info(path: str, follow: bool) -> FileInfo:
+  try:
+    st = os.stat(path) if follow else os.lstat(path)
+  except FileNotFoundError:
+    return FileInfo(path, "missing")
+  kind = ("file" if stat.S_ISREG(st.st_mode) else "folder" if stat.S_ISDIR(st.st_mode)
+          else "special file")
+  return FileInfo(path, kind, st.st_size, st.st_mtime_ns)
+
+
+def list_file_infos(folder: str, suffix: str = "",
+                    max_entries: int = MAX_LIST_ENTRIES) -> list[FileInfo]:
   """Files directly inside `folder` whose names end with `suffix`, sorted by name.
 
   One listing (a few requests on an object store, whatever the number of files)
-  gives every file's size and modification time.
+  gives every file's size, time and reported identity. More than `max_entries`
+  files in the folder is `ListingTooLong`.
   """
-  fs, p = filesystem(folder)
-  infos = fs.get_file_info(pafs.FileSelector(p, recursive=False))
-  return sorted((i for i in infos
-                 if i.type == pafs.FileType.File and i.base_name.endswith(suffix)),
-                key=lambda i: i.base_name)
+  remote = _object(folder)
+  if remote is None:
+    folder = os.path.abspath(folder)
+    names = []
+    with os.scandir(folder) as entries:
+      for entry in entries:
+        names.append(entry.name)
+        if len(names) > max_entries:
+          raise ListingTooLong(f"{folder} holds more than {max_entries} files", max_entries)
+    infos = (_local_info(os.path.join(folder, n), follow=True) for n in names
+             if n.endswith(suffix))
+    infos = [i for i in infos if i.kind == "file"]
+  else:
+    client, bucket, key = remote
+    prefix = key.rstrip("/") + "/" if key.strip("/") else ""
+    infos = [i for i in client.list(bucket, prefix, max_entries)
+             if i.base_name.endswith(suffix)]
+    base = folder.rstrip("/")
+    infos = [dataclasses.replace(i, path=f"{base}/{i.base_name}") for i in infos]
+  return sorted(infos, key=lambda i: i.base_name)
 
 
-def list_files(folder: str, suffix: str = "") -> list[str]:
+def list_files(folder: str, suffix: str = "", max_entries: int = MAX_LIST_ENTRIES) -> list[str]:
   """Files directly inside `folder` whose names end with `suffix`, sorted by name."""
-  return [join(folder, i.base_name) for i in list_file_infos(folder, suffix)]
+  return [join(folder, i.base_name) for i in list_file_infos(folder, suffix, max_entries)]
 
 
 def read_bytes(path: str) -> bytes:
-  fs, p = filesystem(path)
-  with fs.open_input_stream(p) as f:
-    return f.read()
+  """A whole file (configs, indexes: files the pipeline wrote or was given)."""
+  return read_file(path, None)
 
 
-class FileRefused(OSError):
-  """A file not read on purpose: `regular` False for a FIFO, device or socket, else too large."""
-
-  def __init__(self, message: str, *, regular: bool):
-    super().__init__(message)
-    self.regular = regular
-
-
-def read_file(path: str, max_bytes: int | None) -> bytes:
+def read_file(path: str, max_bytes: int | None, pin: FileInfo | None = None) -> bytes:
   """A regular file's bytes; anything else, or more than `max_bytes`, is refused unread.
 
   Locally, one stat decides before anything is opened: a FIFO, device or socket
   is never opened (opening a FIFO waits for a writer), and a huge file is never
   read into memory; the file is checked again on the opened descriptor, in case
-  it was swapped in between. An object is opened at once (no listing or HEAD of
-  ours first: an object store holds only regular files, a missing one answers
-  404 to the read itself) and at most `max_bytes` + 1 bytes are asked for.
-  Raises FileRefused, FileNotFoundError, or OSError when it cannot be read
-  (`storage.is_transient` tells whether trying again may help).
+  it was swapped in between. An object is read at once (no HEAD first: a missing
+  one answers 404 to the read itself); a declared size over `max_bytes` is refused
+  before a byte is read, and at most `max_bytes` + 1 bytes are ever held.
+  With `pin`, the bytes are those of the listing entry `pin` (see the module doc).
+  Raises FileRefused, ObjectChanged, FileNotFoundError, or OSError when it cannot be
+  read (`storage.is_transient` tells whether trying again may help).
   """
-  limit = -1 if max_bytes is None else max_bytes + 1  # one byte more tells it grew
-  if is_uri(path):
-    fs, p = filesystem(path)
-    with fs.open_input_stream(p) as f:
-      data = f.read(limit if limit > 0 else None)
+  remote = _object(path)
+  if remote is not None:
+    client, bucket, key = remote
+    try:
+      data = client.get(bucket, key, max_bytes=_NO_BOUND if max_bytes is None else max_bytes,
+                        pin=pin)
+    except http.BodyTooLarge as e:
+      size = f"{e.size} bytes >" if e.size is not None else "more than"
+      raise FileRefused(f"{path}: {size} {max_bytes} bytes", regular=True) from None
+    except http.PreconditionFailed as e:
+      raise ObjectChanged(f"{path} changed since it was listed: {e}") from None
   else:
+    limit = -1 if max_bytes is None else max_bytes + 1  # one byte more tells it grew
     info = os.stat(path)
     _check_file(path, stat.S_ISREG(info.st_mode), info.st_size, max_bytes)
     fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC)
     with open(fd, "rb", closefd=True) as f:
       info = os.fstat(fd)
       _check_file(path, stat.S_ISREG(info.st_mode), info.st_size, max_bytes)
+      _check_pin(path, info.st_size, info.st_mtime_ns, pin)
       data = f.read(limit)
   _check_file(path, True, len(data), max_bytes)
   return data
+
+
+def _check_pin(path: str, size: int, mtime_ns: int, pin: FileInfo | None) -> None:
+  if pin is not None and (size, mtime_ns) != (pin.size, pin.mtime_ns):
+    raise ObjectChanged(f"{path} changed since it was listed (size, mtime now "
+                        f"{(size, mtime_ns)}, then {(pin.size, pin.mtime_ns)})")
+
+
+def read_range(path: str, offset: int, length: int, pin: FileInfo | None = None) -> bytes:
+  """`length` bytes from `offset` (fewer at the end of the file): one ranged request on an
+  object store, one `pread` locally. With `pin` as in `read_file`."""
+  if length <= 0:
+    return b""
+  remote = _object(path)
+  if remote is None:
+    with open(path, "rb") as f:
+      st = os.fstat(f.fileno())
+      _check_pin(path, st.st_size, st.st_mtime_ns, pin)
+      return os.pread(f.fileno(), length, offset)
+  client, bucket, key = remote
+  try:
+    return client.get(bucket, key, max_bytes=length, first=offset, last=offset + length - 1,
+                      pin=pin)
+  except http.PreconditionFailed as e:
+    raise ObjectChanged(f"{path} changed since it was listed: {e}") from None
+  except http.HTTPStatusError as e:
+    if e.status == 416:  # nothing at or past the end
+      return b""
+    raise
+
+
+class _RangedObject(io.RawIOBase):
+  """An object read by ranged requests, as a seekable raw file (pyarrow and PyAV wrap it)."""
+
+  def __init__(self, path: str, size: int, pin: FileInfo | None):
+    super().__init__()
+    self._path, self._size, self._pin, self._pos = path, size, pin, 0
+
+  def readable(self) -> bool:
+    return True
+
+  def seekable(self) -> bool:
+    return True
+
+  def tell(self) -> int:
+    return self._pos
+
+  def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+    base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: self._size}[whence]
+    self._pos = max(0, base + offset)
+    return self._pos
+
+  def readinto(self, buffer) -> int:
+    want = min(len(buffer), max(0, self._size - self._pos))
+    data = read_range(self._path, self._pos, want, self._pin) if want else b""
+    buffer[:len(data)] = data
+    self._pos += len(data)
+    return len(data)
+
+  def readall(self) -> bytes:
+    data = read_range(self._path, self._pos, max(0, self._size - self._pos), self._pin)
+    self._pos += len(data)
+    return data
+
+
+def open_random_access(path: str, pin: FileInfo | None = None):
+  """A seekable pyarrow file (`read_at`, `size`, `seek`, `read`) for parquet footers and
+  row groups and JSONL lines; on an object store each read is one ranged request, with
+  `pin` as in `read_file`."""
+  if _object(path) is None:
+    if pin is not None:
+      st = os.stat(path)
+      _check_pin(path, st.st_size, st.st_mtime_ns, pin)
+    return pafs.LocalFileSystem().open_input_file(os.path.abspath(path))
+  info = pin if pin is not None and pin.size is not None else file_info(path)
+  if info.kind != "file":
+    raise FileNotFoundError(f"{path}: no such object")
+  return pa.PythonFile(_RangedObject(path, int(info.size), pin), mode="r")
 
 
 def _check_file(path: str, regular: bool, size: int, max_bytes: int | None) -> None:
@@ -210,12 +383,6 @@ def write_bytes(path: str, data: bytes) -> None:
     os.makedirs(os.path.dirname(p), exist_ok=True)
   with fs.open_output_stream(p) as f:
     f.write(data)
-
-
-def open_random_access(path: str):
-  """A seekable file object (for parquet footers and JSONL line offsets)."""
-  fs, p = filesystem(path)
-  return fs.open_input_file(p)
 
 
 def open_output(path: str):

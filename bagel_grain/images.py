@@ -281,6 +281,23 @@ def _check_decode_cost(img: Image.Image, data: bytes) -> None:
                      "scans cannot be counted before decoding; store it as JPEG or PNG")
 
 
+_PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+
+
+def _png_cut_in_header(data: bytes) -> bool:
+  """A PNG whose chunks run past the end of the data before its first image data (IDAT):
+  a file cut short (Pillow says only that it cannot identify it)."""
+  if not data.startswith(_PNG_SIGNATURE):
+    return False
+  at = len(_PNG_SIGNATURE)
+  while at + 8 <= len(data):
+    length, kind = int.from_bytes(data[at:at + 4], "big"), data[at + 4:at + 8]
+    if kind == b"IDAT":
+      return False
+    at += 12 + length
+  return True
+
+
 def _open_checked(data: bytes, max_pixels_decode: int) -> Image.Image:
   """Opens lazily (header only) as one of ALLOWED_FORMATS, and refuses a header over the
   pixel cap, or a decode that would cost more than its pixels, before decoding."""
@@ -291,6 +308,9 @@ def _open_checked(data: bytes, max_pixels_decode: int) -> Image.Image:
     if refused:
       raise ImageError(DropReason.BAD_IMAGE, f"{refused} is not an allowed image format "
                        f"({', '.join(ALLOWED_FORMATS)}); convert it") from e
+    if _png_cut_in_header(data):
+      raise ImageError(DropReason.TRUNCATED_IMAGE, f"a PNG that ends after {len(data)} bytes, "
+                       "inside its header chunks") from e
     raise
   w, h = img.size
   if w * h > max_pixels_decode:

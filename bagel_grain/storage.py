@@ -13,14 +13,19 @@ An object store answers a read in one of three ways, and each has its own fate:
   reads the same record again.
 
 The deadline counts from the start of the element being computed (an element
-reads a record and then its files), so retries never keep one element longer
-than `storage_timeout_s`, which `policy_for` keeps below `element_timeout_s`:
-a storage outage is always this retriable error, never the fetcher's fatal
-stall (which is meant for a decode or a read that hangs). pyarrow's own retries are kept short (`fs.py`) so that this loop, which
-counts and logs, is the one that waits.
+reads a record and then its files) and holds inside each request too (the
+request is cut when it passes: `fs.deadline_scope`), so retries, slow answers
+and reads ahead waited on never keep one element longer than
+`storage_timeout_s`, which `policy_for` keeps below `element_timeout_s`: a
+storage outage is always this retriable error, never the fetcher's fatal stall
+(which is meant for a decode that hangs). The object-store client does not
+retry on its own (`remote.http`): this loop, which counts and logs, is the one
+that waits. Once the fetcher is closed (`element_scope(abandoned)`), a failed
+read is not tried again.
 
-Reads started ahead of need (`sources.readahead`) try once: a failure there is
-forgotten and the consumer reads again under this policy.
+Reads started ahead of need (`sources.readahead`) try once, under a deadline of
+their own: a failure there is forgotten and the consumer reads again under this
+policy.
 
 Counters (`ElementStorage`) are kept per element computed and summed per group
 by the fetcher; one log line says when storage starts failing, one when it is
@@ -39,6 +44,7 @@ import time
 from typing import Callable, Iterator, TypeVar
 
 from bagel_grain.errors import StorageUnavailableError
+from bagel_grain.remote.http import DefiniteError, deadline_scope
 
 log = logging.getLogger(__name__)
 
@@ -62,7 +68,7 @@ def is_transient(error: BaseException) -> bool:
   """True for a failure that may pass if tried again (network, timeout, throttling, 5xx);
   False for a definite answer (no such object, access refused) and for local I/O errors."""
   if isinstance(error, (FileNotFoundError, PermissionError, IsADirectoryError,
-                        NotADirectoryError)):
+                        NotADirectoryError, DefiniteError)):
     return False
   if isinstance(error, (ConnectionError, TimeoutError)):
     return True
@@ -120,6 +126,7 @@ class _ThreadState(threading.local):
   single_attempt = False  # a read-ahead thread: fail at once, the consumer reads again
   element_start: float | None = None
   spent: ElementStorage | None = None
+  abandoned: threading.Event | None = None  # set: nobody waits for this element any more
 
 
 _THREAD = _ThreadState()
@@ -131,16 +138,23 @@ def single_attempts() -> None:
 
 
 @contextlib.contextmanager
-def element_scope() -> Iterator[ElementStorage]:
+def element_scope(abandoned: threading.Event | None = None) -> Iterator[ElementStorage]:
   """Around one element's computation: its reads share one deadline (from now), and their
-  retries are counted in the yielded `ElementStorage`."""
-  outer = _THREAD.element_start, _THREAD.spent
+  retries are counted in the yielded `ElementStorage`. Once `abandoned` is set (the
+  fetcher closed), a failed read is not tried again."""
+  outer = _THREAD.element_start, _THREAD.spent, _THREAD.abandoned
   spent = ElementStorage()
-  _THREAD.element_start, _THREAD.spent = time.monotonic(), spent
+  _THREAD.element_start, _THREAD.spent, _THREAD.abandoned = time.monotonic(), spent, abandoned
   try:
     yield spent
   finally:
-    _THREAD.element_start, _THREAD.spent = outer
+    _THREAD.element_start, _THREAD.spent, _THREAD.abandoned = outer
+
+
+def element_deadline(policy: RetryPolicy) -> float:
+  """When `policy`'s retries for the element this thread computes end (`time.monotonic()`)."""
+  now = time.monotonic()
+  return min(now, _THREAD.element_start or now) + policy.timeout_s
 
 
 class _Outage:
@@ -207,18 +221,20 @@ class RetryPolicy:
     Raises what `read` raises for a definite answer, and StorageUnavailableError once
     the deadline has passed."""
     start = time.monotonic()
-    deadline = min(start, _THREAD.element_start or start) + self.timeout_s
+    deadline = element_deadline(self)
     attempt = 0
     while True:
       tried = time.monotonic()
       try:
-        value = read()
+        with deadline_scope(deadline):  # holds inside each request, not only between them
+          value = read()
       except Exception as e:  # pylint: disable=broad-except  # sorted just below
         if not is_transient(e):
           raise
         now = time.monotonic()
         OUTAGE.failed(what, e, self.timeout_s)
-        if _THREAD.single_attempt:
+        if _THREAD.single_attempt or (_THREAD.abandoned is not None
+                                      and _THREAD.abandoned.is_set()):
           raise
         if now >= deadline:
           raise StorageUnavailableError(what, _short(e), now - start, attempt + 1) from e

@@ -115,3 +115,19 @@ def test_a_jpeg_compressed_tiff_is_refused(decoder_calls):
     decode_image(out.getvalue(), max_pixels_decode=CAP)
   assert e.value.reason == "bad_image" and "JPEG-compressed TIFF" in str(e.value)
   assert decoder_calls == []
+
+
+def test_a_png_cut_anywhere_is_a_truncated_image():
+  # As a short read of an object gives it: cut inside the header chunks, Pillow only says
+  # it "cannot identify" the file, which was counted as bad_image.
+  out = io.BytesIO()
+  Image.new("RGB", (24, 16), (10, 200, 30)).save(out, "PNG")
+  data = out.getvalue()
+  idat = data.index(b"IDAT") - 4
+  for cut in [9, 20, 33, 40, idat, idat + 10, len(data) // 2]:
+    with pytest.raises(ImageError) as e:
+      decode_image(data[:cut], max_pixels_decode=CAP)
+    assert e.value.reason == "truncated_image", (cut, str(e.value))
+  with pytest.raises(ImageError) as e:  # not a PNG at all: still bad_image
+    decode_image(b"\x89PNX" + data[4:40], max_pixels_decode=CAP)
+  assert e.value.reason == "bad_image"

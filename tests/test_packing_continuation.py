@@ -24,6 +24,8 @@ from bagel_grain.errors import StateMismatchError
 from bagel_grain.jax import checkpoint_manager, restore, save
 from bagel_grain.packing import shares
 from bagel_grain.packing.shards import merge_states
+from bagel_grain.sources import sidecar
+from bagel_grain.tooling.cli import NoProgress
 from bagel_grain.workers import fetcher
 from resume import assert_same_elements, take
 
@@ -372,6 +374,36 @@ def test_records_removed_or_rewritten_are_refused_even_when_allowed(data, demo_t
       it.set_state(state, allow_changes=True, saved_manifests=manifests)
     assert it.get_state()["shards"]["0"]["rows"] == 2  # where it was
     assert next(it)["sample_keys"] != first["sample_keys"]  # and goes on from there
+
+
+def _patch_byte(path, offset):
+  """One byte of the file changed in place: its size is the same."""
+  with open(path, "r+b") as f:
+    f.seek(offset)
+    byte = f.read(1)
+    f.seek(offset)
+    f.write(bytes([byte[0] ^ 0xFF]))
+
+
+@pytest.mark.parametrize("target, offset", [("t2i/part-00000.parquet", 100),
+                                            ("vlm/sft.jsonl", 10)])
+@pytest.mark.parametrize("allow", [False, True])
+def test_an_indexed_file_rewritten_at_its_size_is_refused_by_name(data, demo_tokenizer, target,
+                                                                  offset, allow):
+  cfg = config(data, num_epochs=2)
+  sidecar.index_config(cfg, NoProgress)
+  with pipeline(cfg, demo_tokenizer) as it:
+    take(it, 3)
+    state, manifests = json.loads(json.dumps(it.get_state())), it.manifests()
+  _patch_byte(data / target, offset)  # a byte a probe may not see: the data indexed again
+  sidecar.index_config(cfg, NoProgress)
+  name = target.split("/")[1]
+  with pipeline(cfg, demo_tokenizer) as it:
+    with pytest.raises(StateMismatchError, match=rf"{name} rewritten \(its content checksum"):
+      it.set_state(state, allow_changes=allow, saved_manifests=manifests)
+    with pytest.raises(StateMismatchError, match="file contents"):  # without the file lists
+      it.set_state(state, allow_changes=allow)
+
 
 
 def step_2_with_a_file_of_step_1(cfg, tokenizer, tmp_path, name):

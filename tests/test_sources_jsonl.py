@@ -7,7 +7,7 @@ import random
 import pytest
 
 from bagel_grain.drops import Drop, DropReason
-from bagel_grain.sources import sidecar
+from bagel_grain.sources import jsonl, sidecar
 from bagel_grain.sources.jsonl import JsonlLineSource
 
 
@@ -101,3 +101,27 @@ def test_a_bom_at_the_start_is_kept_for_the_family_to_accept(tmp_path):
   path = tmp_path / "rows.jsonl"
   path.write_bytes(b'\xef\xbb\xbf{"n": 0}\n{"n": 1}\n')
   assert JsonlLineSource(str(path))[0] == b'\xef\xbb\xbf{"n": 0}'
+
+
+@pytest.mark.parametrize("mount", ["ext4", "fuse.gcsfuse"])
+def test_a_file_on_a_mount_is_checked_once_a_second_not_once_a_line(tmp_path, monkeypatch,
+                                                                     mount):
+  # On gcsfuse or NFS an fstat may be a request to the server: at most one a second per
+  # file there; on a local file system one a line (about 10 us), as before.
+  path = tmp_path / "rows.jsonl"
+  path.write_text("".join(f'{{"n": {i:02d}}}\n' for i in range(50)))
+  monkeypatch.setattr(jsonl, "_mounts", lambda: [("/", "ext4"), (str(tmp_path), mount)])
+  clock = [100.0]
+  monkeypatch.setattr(jsonl.time, "monotonic", lambda: clock[0])
+  stats = []
+  real_fstat = os.fstat
+  monkeypatch.setattr(jsonl.os, "fstat", lambda fd: stats.append(fd) or real_fstat(fd))
+  source = JsonlLineSource(str(path))
+  assert [source[i] for i in range(40)] == [f'{{"n": {i:02d}}}'.encode() for i in range(40)]
+  assert len(stats) == (1 if mount.startswith("fuse") else 41)  # at open, then per line
+  before = path.stat()
+  path.write_text("".join(f'{{"n": {i + 50:02d}}}\n' for i in range(50)))  # same size
+  os.utime(path, ns=(before.st_atime_ns, before.st_mtime_ns + 1_000_000))
+  clock[0] += jsonl.MOUNT_CHECK_S
+  with pytest.raises(Drop, match="changed since the stream was built"):
+    source[40]

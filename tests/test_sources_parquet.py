@@ -1,6 +1,7 @@
 """Parquet rows by row group: the footer index, row-group blocks, record ids, bad files."""
 
 import os
+import pickle
 import subprocess
 import sys
 
@@ -13,7 +14,8 @@ import lying_parquet
 from bagel_grain.drops import Drop, DropReason
 from bagel_grain.errors import DatasetError
 from bagel_grain.sources import sidecar
-from bagel_grain.sources.parquet import ParquetRowSource, dataset_catalog, dataset_files
+from bagel_grain.sources.parquet import (ParquetRowSource, dataset_catalog, dataset_files,
+                                         dataset_source)
 from bagel_grain.sources.parquet_footer import MAX_ROWS_PER_BYTE
 from bagel_grain.sources.records import ConcatSource, ShuffledRecords
 from parquet_files import ALL_IDS, NON_EMPTY_ROW_GROUPS, two_files, write_parquet
@@ -213,19 +215,21 @@ def test_cells_at_the_limit_are_served(tmp_path):
 _POOL_AFTER_A_READ = """
 import sys
 import pyarrow as pa
-from bagel_grain.sources.parquet import ParquetRowSource
+from bagel_grain.sources import parquet
 before = pa.default_memory_pool().backend_name
-source = ParquetRowSource([sys.argv[1]], ["id"])
-source[0]
-print(before, pa.default_memory_pool().backend_name)
+source = parquet.ParquetRowSource([sys.argv[1]], ["id"])
+source[0]  # its row group held in the cache
+pool = parquet._memory_pool()
+print(before, pa.default_memory_pool().backend_name, pool.backend_name, pool.bytes_allocated())
 """
 
 
 @pytest.mark.parametrize("chosen", [None, "system"])
-def test_a_process_reads_row_groups_with_jemalloc_unless_arrow_was_told_otherwise(
+def test_row_groups_are_read_into_jemalloc_without_changing_the_hosts_default_pool(
     tmp_path, chosen):
-  # mimalloc, pyarrow's default, kept the row groups read-ahead threads freed; the
-  # user's ARROW_DEFAULT_MEMORY_POOL still wins.
+  # mimalloc, pyarrow's default, kept the row groups read-ahead threads freed; a library
+  # does not switch its host's allocator: the pool is passed to each read. The user's
+  # ARROW_DEFAULT_MEMORY_POOL still wins.
   path = tmp_path / "rows.parquet"
   pq.write_table(pa.table({"id": ["a", "b"]}), path)
   env = {k: v for k, v in os.environ.items() if k != "ARROW_DEFAULT_MEMORY_POOL"}
@@ -233,12 +237,28 @@ def test_a_process_reads_row_groups_with_jemalloc_unless_arrow_was_told_otherwis
     env["ARROW_DEFAULT_MEMORY_POOL"] = chosen
   done = subprocess.run([sys.executable, "-c", _POOL_AFTER_A_READ, str(path)], env=env,
                         capture_output=True, text=True, timeout=120, check=True)
-  before, after = done.stdout.split()
+  before, after, used, held = done.stdout.split()
+  assert before == after == (chosen or before)
   if chosen:
-    assert before == after == chosen
-  else:
-    try:
-      pa.jemalloc_memory_pool()
-    except NotImplementedError:
-      pytest.skip("this pyarrow has no jemalloc")
-    assert after == "jemalloc"
+    assert used == chosen
+    return
+  try:
+    pa.jemalloc_memory_pool()
+  except NotImplementedError:
+    pytest.skip("this pyarrow has no jemalloc")
+  assert used == "jemalloc" and int(held) > 0 and after != "jemalloc"
+
+
+def test_a_file_changed_after_the_build_drops_its_rows_in_every_process(tmp_path):
+  folder = tmp_path / "pq"
+  folder.mkdir()
+  path = write_parquet(folder / "a.parquet", [["a:0", "a:1"], ["a:2"]])
+  source = dataset_source(str(folder), None, ["id"])
+  worker = pickle.loads(pickle.dumps(source))  # what a worker gets: the build's listing
+  before = os.stat(path)
+  write_parquet(path, [["b:0", "b:1"], ["b:2"]])  # the same shape, other rows
+  os.utime(path, ns=(before.st_atime_ns, before.st_mtime_ns + 1_000_000))  # a later write
+  for process in (source, worker):
+    with pytest.raises(Drop, match=r"a\.parquet changed since the stream was built") as e:
+      process[0]
+    assert e.value.reason == DropReason.UNREADABLE_FILE

@@ -422,3 +422,21 @@ def test_a_read_is_served_once_per_start_and_let_go_with_its_last_taker(ops):
       assert set(ahead._reads) == {k for k, n in holds.items() if n}
   finally:
     ahead.close()
+
+
+def test_the_main_process_reads_ahead_the_elements_it_computes_while_workers_run(monkeypatch):
+  monkeypatch.setattr(readahead, "_SHARE", None)  # workers run: nothing is this process's share
+  barrier = threading.Barrier(4, timeout=30)  # reads 1-4 pass only when all four are in flight
+  records = CountingRecords(12, wait=lambda i: barrier.wait() if 1 <= i <= 4 else None)
+  ahead = ReadAhead(threads=4)
+  ra = ReadAheadRecords(records, files_of=_no_files, read_file=None, ahead=ahead, depth=4)
+  group = ra.map(lambda r: r.upper())
+  try:
+    assert group[0] == "R0"
+    readahead.read_ahead_of(group, [1, 2, 3, 4])  # the fetcher's inline thread: its next ones
+    readahead.read_ahead_of(group, [2, 3])  # asked again: each is read once
+    assert [group[i] for i in (1, 2, 4)] == ["R1", "R2", "R4"]  # 3 went to a worker
+    assert ahead.held_bytes() == 0  # what was passed over is let go
+  finally:
+    ahead.close()
+  assert records.reads == {0: 1, 1: 1, 2: 1, 3: 1, 4: 1}

@@ -17,7 +17,7 @@ from bagel_grain.config import load_config
 from bagel_grain.configs import shipped_path
 from bagel_grain.errors import DatasetError
 from bagel_grain.pipeline import build_pipeline
-from bagel_grain.sources import sidecar
+from bagel_grain.sources import identity, sidecar
 from bagel_grain.sources.jsonl import JsonlLineSource
 from bagel_grain.sources.parquet import dataset_source
 from bagel_grain.sources.records import ConcatSource, ShuffledRecords
@@ -243,7 +243,7 @@ def test_an_index_without_checksums_is_refused_with_the_command_to_rebuild_it(tm
   path = _jsonl(tmp_path)
   sidecar.write_jsonl_index(path, [3])
   meta = json.loads(open(path + ".bagel_index.json").read())
-  old = {k: meta[k] for k in ("size", "mtime_ns", "lines", "shuffle_seeds")}
+  old = {k: meta[k] for k in ("size", "mtime_ns", "lines", "shuffle_seeds")}  # format 1
   open(path + ".bagel_index.json", "w").write(
       json.dumps({"format": "bagel-grain jsonl index 1", **old}))
   with pytest.raises(DatasetError, match="re-run `bagel-grain index") as e:
@@ -258,7 +258,7 @@ def test_an_edited_parquet_index_is_refused(tmp_path):
   table = pa.ipc.open_file(path).read_all()
   rows = pa.array([[0] * len(r) for r in table.column("row_group_rows").to_pylist()],
                   pa.list_(pa.int64()))
-  edited = table.set_column(4, "row_group_rows", rows).replace_schema_metadata(
+  edited = table.set_column(table.schema.get_field_index("row_group_rows"), "row_group_rows", rows).replace_schema_metadata(
       table.schema.metadata)
   with pa.OSFile(path, "wb") as out, pa.ipc.new_file(out, edited.schema) as writer:
     writer.write_table(edited)
@@ -270,9 +270,10 @@ def test_an_edited_parquet_index_is_refused(tmp_path):
 def test_index_files_are_the_same_bytes_from_whole_and_split_scans(tmp_path):
   path = _jsonl(tmp_path, 300)
   size = os.path.getsize(path)
-  whole = sidecar.jsonl_index_files(path, (size, 1), sidecar.scan_line_starts(path), [3, 1])
+  ident = identity.Identity(size, 1, md5="ab")
+  whole = sidecar.jsonl_index_files(path, ident, sidecar.scan_line_starts(path), [3, 1])
   cuts = [0, 1, 17, 18, 500, size - 1, size]
   ends = [sidecar.line_ends(path, a, b) for a, b in zip(cuts[:-1], cuts[1:])]
-  split = sidecar.jsonl_index_files(path, (size, 1), sidecar.line_starts_from_ends(ends, size),
+  split = sidecar.jsonl_index_files(path, ident, sidecar.line_starts_from_ends(ends, size),
                                     [1, 3])
   assert split == whole

@@ -90,6 +90,25 @@ def test_the_reads_of_one_element_share_its_deadline():
   assert len(calls) == 1
 
 
+def test_each_attempt_runs_under_the_elements_deadline():
+  from bagel_grain.remote import http  # pylint: disable=import-outside-toplevel
+  seen = []
+  with element_scope():
+    start = time.monotonic()
+    FAST.call("image", lambda: seen.append(http.current_deadline()))
+  assert seen[0] is not None and start <= seen[0] <= start + FAST.timeout_s + 0.01
+  assert http.current_deadline() is None  # nothing left behind
+
+
+def test_once_the_element_is_abandoned_a_failure_is_not_tried_again():
+  read, calls = _failing(5, OSError(S3_503))
+  abandoned = threading.Event()
+  abandoned.set()  # the fetcher was closed while this element was computed
+  with element_scope(abandoned), pytest.raises(OSError):
+    RetryPolicy(timeout_s=60).call("image", read)
+  assert len(calls) == 1
+
+
 def test_a_read_ahead_thread_tries_once():
   read, calls = _failing(1, OSError(S3_503))
   errors = []

@@ -27,8 +27,10 @@ import psutil
 import pytest
 
 from bagel_grain import held_memory
+from bagel_grain.sources import readahead
 from bagel_grain.families.files import DiskFiles
 from bagel_grain.workers import WORKER_NICENESS, Fetcher, WorkerError
+from bagel_grain.workers import fetcher as fetcher_module
 from bagel_grain.pipeline import build_pipeline
 from deadline import deadline
 from slow_elements import FailsWhileDown, StallsInWorkers
@@ -447,3 +449,20 @@ def test_workers_report_their_memory_after_imports_loading_and_each_element():
   assert memory["at_ready"][held_memory.ROW_GROUP_CACHE] == 0  # loaded, nothing computed
   assert memory["now"][held_memory.ROW_GROUP_CACHE] == 12_345
   assert memory["now"][held_memory.READ_AHEAD] == 0
+
+
+def test_elements_no_worker_has_taken_are_read_ahead_by_the_main_process(monkeypatch):
+  # While the worker starts, the main process computes the first elements itself: at its
+  # first, every group's first ones get their reads started (then, before each, those of
+  # its group that no worker has taken).
+  started = []
+  monkeypatch.setattr(readahead, "read_ahead_of",
+                      lambda dataset, indices: started.append((dataset.size, list(indices))))
+  with deadline(120):
+    fetcher = Fetcher([Squares(40), Squares(3)], workers=1, depths=[8, 8])
+    try:
+      assert np.array_equal(fetcher.get(0, 0), np.zeros(3))
+    finally:
+      fetcher.close()
+  ahead = fetcher_module.INLINE_READ_AHEAD
+  assert started[:2] == [(40, list(range(1, ahead))), (3, [0, 1, 2])]

@@ -17,13 +17,23 @@ first half of the run to the second; the exit status is 1 when the counters ever
 failed to balance, the stream stopped with an error, a worker process was
 replaced, or a record started a process.
 
+With `--storage` a second VLM dataset lies in a local S3 server behind the test
+fault proxy (`tests/object_store`, the test extra), with one record per storage
+row of `STORAGE_ROWS` each epoch: an image served at 3 bytes a second (re-armed
+every `--storage-every` seconds: a `StorageUnavailableError`, counted, then the
+same `next()` again), an image claiming 10^12 bytes (`file_too_large`), a frame
+folder whose LIST repeats its token (`file_not_readable`) and one of 1M keys
+(`too_many_video_frames`).
+
     python tools/soak.py --minutes 10
     python tools/soak.py --seconds 20 --report-every 5      # a quick smoke run
+    python tools/soak.py --minutes 10 --storage             # with the storage rows
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import random
@@ -218,12 +228,67 @@ def corrupted_copy(demo: Path, out: Path, fraction: float, seed: int) -> dict[st
   return injected
 
 
+# -- storage rows: a sick object store, at a low rate -------------------------------------
+
+_VIDEO_TURNS = '[{"from": "human", "value": "<video>"}, {"from": "gpt", "value": "?"}]'
+STORAGE_ROWS = (  # (object or frame folder in the bucket, fault, the line naming it)
+    ("images/soak_slow.png", "slow", '{"image": "images/soak_slow.png", "conversations": %s}'
+     % _TURNS),  # a StorageUnavailableError while armed, then packed
+    ("images/soak_claim.png", "huge", '{"image": "images/soak_claim.png", "conversations": %s}'
+     % _TURNS),  # file_too_large
+    ("videos/soak_loop/", "loop_list", '{"video": "videos/soak_loop/", "conversations": %s}'
+     % _VIDEO_TURNS),  # file_not_readable
+    ("videos/soak_many/", "many_keys", '{"video": "videos/soak_many/", "conversations": %s}'
+     % _VIDEO_TURNS),  # too_many_video_frames
+)
+GOOD_BUCKET_LINES = 20  # demo lines beside them, so that the faulty ones come at a low rate
+NOT_WORKERS: set[int] = set()  # child processes that are not the pool's (the S3 server)
+
+
+@contextlib.contextmanager
+def storage_rows(demo: Path, tmp: Path):
+  """A VLM dataset in a local S3 server behind a fault proxy, the environment pointing
+  at it; yields (its dataset_info entry, a function that re-arms the slow object); the
+  server's and proxy's processes are listed in `NOT_WORKERS` while they run."""
+  sys.path.insert(0, str(ROOT / "tests"))
+  from object_store import LocalObjectStore  # pylint: disable=import-outside-toplevel
+  folder = tmp / "bucket"
+  shutil.copytree(demo / "vlm", folder)
+  lines = (folder / "sft.jsonl").read_text().splitlines()[:GOOD_BUCKET_LINES]
+  (folder / "sft.jsonl").write_text("\n".join(lines + [r[2] for r in STORAGE_ROWS]) + "\n")
+  first_image = sorted((folder / "images").iterdir())[0]
+  for name in ("soak_slow.png", "soak_claim.png"):
+    shutil.copy(first_image, folder / "images" / name)
+  first_clip = sorted((folder / "videos").iterdir())[0]
+  shutil.copytree(first_clip, folder / "videos" / "soak_loop")
+  saved = dict(os.environ)
+  with LocalObjectStore("s3") as store:
+    root = store.upload(str(folder), "soak")
+    proxy = store.fault_proxy()
+    os.environ.update(store.environment(proxy.port))
+    for path, fault, _ in STORAGE_ROWS:
+      if fault != "slow":  # for good; the slow one is armed by `rearm`
+        proxy.fault(fault, match=f"soak/{path}" if not path.endswith("/")
+                    else f"prefix=soak/{path}")
+
+    def rearm() -> None:
+      proxy.fault("slow", count=2, match="soak/images/soak_slow.png")  # ahead, and again
+
+    NOT_WORKERS.update(store.pids())
+    try:
+      yield {"data_dir": root, "jsonl_path": f"{root}/sft.jsonl"}, rearm
+    finally:
+      NOT_WORKERS.difference_update(store.pids())
+      os.environ.clear()
+      os.environ.update(saved)
+
+
 def _workers(me: psutil.Process) -> list[psutil.Process]:
   """The pool's worker processes (multiprocessing's resource tracker is not one)."""
   out = []
   for child in me.children(recursive=True):
     try:
-      if "resource_tracker" not in " ".join(child.cmdline()):
+      if child.pid not in NOT_WORKERS and "resource_tracker" not in " ".join(child.cmdline()):
         out.append(child)
     except psutil.Error:
       pass
@@ -254,10 +319,18 @@ def soak(args) -> dict:
     raw.update(dataset_info=str(tmp / "corrupted" / "dataset_info.yaml"),
                tokenizer_path=str(demo / "tokenizer"), num_epochs=None,
                max_image_bytes=MAX_IMAGE_BYTES)
-    cfg = config_from_dict(raw, file=args.config, base_dir=str(Path(args.config).parent))
-    tokenizer = load_tokenizer(demo / "tokenizer" / "tokenizer.json")
-    it = iter(build_pipeline(cfg, tokenizer, batch_size=args.batch_size, workers=args.workers))
-    summary = _run(it, pipeline_stats, args, injected)
+    with contextlib.ExitStack() as stack:
+      rearm = None
+      if args.storage:
+        entry, rearm = stack.enter_context(storage_rows(demo, tmp))
+        _add_dataset(tmp / "corrupted" / "dataset_info.yaml", raw, "soak_bucket", entry)
+        raw.update(storage_timeout_s=24, element_timeout_s=30)  # the issue's settings
+        injected["vlm_sft"] += len(STORAGE_ROWS) - 1  # the slow one is packed in the end
+      cfg = config_from_dict(raw, file=args.config, base_dir=str(Path(args.config).parent))
+      tokenizer = load_tokenizer(demo / "tokenizer" / "tokenizer.json")
+      it = iter(build_pipeline(cfg, tokenizer, batch_size=args.batch_size,
+                               workers=args.workers))
+      summary = _run(it, pipeline_stats, args, injected, rearm)
     summary["impossible_footer_refused"] = refused
     summary["processes_started_by_records"] = (
         gs_log.read_text().count("gs ") if gs_log.exists() else 0)
@@ -267,12 +340,23 @@ def soak(args) -> dict:
       shutil.rmtree(tmp, ignore_errors=True)
 
 
-def _run(it, pipeline_stats, args, injected) -> dict:
+def _add_dataset(info_path: Path, raw: dict, name: str, entry: dict) -> None:
+  """One more dataset in the VLM group: in dataset_info.yaml and in the config."""
+  info = yaml.safe_load(info_path.read_text())
+  info["vlm_sft"][name] = entry
+  info_path.write_text(yaml.safe_dump(info))
+  raw["grouped_datasets"]["vlm_sft"]["dataset_names"].append(name)
+
+
+def _run(it, pipeline_stats, args, injected, rearm=None) -> dict:
+  # pylint: disable=import-outside-toplevel
+  from bagel_grain.errors import StorageUnavailableError
   me = psutil.Process()
   duration = args.seconds if args.seconds is not None else args.minutes * 60
   start = time.monotonic()
   next_report = start + args.report_every
-  rows = batches = 0
+  rows = batches = storage_errors = 0
+  next_rearm = start
   balanced, error = True, None
   rss: dict[str, list[tuple[float, float]]] = {}  # "main" or "worker <pid>": (seconds, MiB)
   stats = {}
@@ -295,7 +379,14 @@ def _run(it, pipeline_stats, args, injected) -> dict:
 
   try:
     while time.monotonic() - start < duration:
-      batch = next(it)
+      if rearm is not None and time.monotonic() >= next_rearm:
+        rearm()
+        next_rearm = time.monotonic() + args.storage_every
+      try:
+        batch = next(it)
+      except StorageUnavailableError:  # the slow object: the iterator stays, read it again
+        storage_errors += 1
+        continue
       batches += 1
       rows += sum(1 for keys in batch["sample_keys"] if keys)
       stats = pipeline_stats(it)
@@ -336,6 +427,7 @@ def _run(it, pipeline_stats, args, injected) -> dict:
       "rss_mib": {name: _memory(samples, elapsed) for name, samples in rss.items()},
       "worker_pids_seen": sum(1 for name in rss if name != "main"),
       "workers_left_after_close": left,
+      "storage_errors": storage_errors,
       "error": error,
   }
 
@@ -364,6 +456,10 @@ def main(argv=None) -> int:
   parser.add_argument("--data", help="an existing demo dataset (default: generate one)")
   parser.add_argument("--json", help="also write the summary here")
   parser.add_argument("--keep", action="store_true", help="keep the temporary data")
+  parser.add_argument("--storage", action="store_true",
+                      help="add the storage rows (a local S3 server behind a fault proxy)")
+  parser.add_argument("--storage-every", type=float, default=120.0,
+                      help="seconds between two arms of the slow object")
   args = parser.parse_args(argv)
   summary = soak(args)
   text = json.dumps(summary, indent=1)

@@ -23,6 +23,7 @@ burned, and the load average.
     python tools/storage_bench.py --out out/storage_bench.json
     python tools/storage_bench.py --skip-startup --bench-data /tmp/bench_data
     python tools/storage_bench.py --skip-throughput --lines 10000000 --shards --local-only
+    python tools/storage_bench.py --skip-startup --configs demo --workers 0 2 --rounds 1
 """
 
 from __future__ import annotations
@@ -238,7 +239,7 @@ def _on(root: str, data: Path, shipped: str, tokenizer: Path) -> dict:
 
 def throughput(work: Path, data: Path | None, seconds: float, delays: list[float],
                workers: list[int], rounds: int = 3, gcs_delay: float | None = 50,
-               warmup_s: float = 10) -> list[dict]:
+               warmup_s: float = 10, configs: tuple[str, ...] = ("demo", "bench")) -> list[dict]:
   """Rows/s and image tokens/s of the shipped demo config (a VLM JSONL line and its own
   image objects per sample: many small objects) and of the bench config (large parquet
   row groups), on local disk and on S3 behind the latency proxy, in one run; and the
@@ -250,10 +251,12 @@ def throughput(work: Path, data: Path | None, seconds: float, delays: list[float
   from bagel_grain.tooling.demo_data import make_sample_data
   from bagel_grain.config import load_config
   from bagel_grain.tokenizer import load_tokenizer
-  if data is None or not (data / ".complete").exists():
+  if "bench" in configs and (data is None or not (data / ".complete").exists()):
     data = make_bench_data(data or work / "bench_data", t2i_rows=256, edit_rows=64, vlm_rows=200)
   demo = make_sample_data(work / "demo_data")
-  corpora = [("demo", demo, demo / "tokenizer"), ("bench", data, data / "tokenizer")]
+  corpora = [c for c in [("demo", demo, demo / "tokenizer"), ("bench", data, data and
+                                                              data / "tokenizer")]
+             if c[0] in configs]
   results = []
 
   def run(config_name: str, corpus: Path, tokenizer_dir: Path, where: str, root: str,
@@ -299,7 +302,7 @@ def throughput(work: Path, data: Path | None, seconds: float, delays: list[float
               workers, s3_servers if remote else [], round_)
       if gcs_root is not None:
         run("demo", demo, demo / "tokenizer", f"GCS at {gcs_delay:g} ms", gcs_root, gcs_env,
-            [0, 2], _processes(gcs), round_)
+            sorted(set(workers) | {0, 2}), _processes(gcs), round_)
   for r in results:
     local = next((x for x in results if x["storage"] == "local disk"
                   and x["config"] == r["config"] and x["workers"] == r["workers"]
@@ -412,6 +415,8 @@ def main() -> None:
                       help="start-up on local disk only (moto copies a whole object per "
                            "range request: a 1 GB JSONL costs about 1 s a line there)")
   parser.add_argument("--skip-throughput", action="store_true")
+  parser.add_argument("--configs", nargs="*", default=["demo", "bench"],
+                      choices=["demo", "bench"], help="throughput: the shipped configs to run")
   parser.add_argument("--out", default="out/storage_bench.json")
   args = parser.parse_args()
   report = {}
@@ -431,7 +436,7 @@ def main() -> None:
       report["throughput"] = throughput(Path(tmp), bench_data, args.seconds,
                                         args.delays_ms, args.workers, args.rounds,
                                         args.gcs_delay_ms if args.gcs_delay_ms >= 0 else None,
-                                        args.warmup_s)
+                                        args.warmup_s, tuple(args.configs))
       print(_table(report["throughput"], [
           ("config", "config", ""), ("storage", "storage", ""), ("workers", "workers", ""),
           ("rows_per_s", "rows/s", ".2f"), ("image_tokens_per_s", "image tokens/s", ",.0f"),

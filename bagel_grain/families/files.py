@@ -23,6 +23,10 @@ from bagel_grain.sources.framing import LineWithFiles
 from bagel_grain.sources.readahead import ReadAhead
 from bagel_grain.storage import RetryPolicy, is_transient
 
+# A frame folder may hold more entries than a sample takes (it is sampled down), but not
+# without bound: a listing of a million keys costs seconds and a gigabyte first.
+FOLDER_ENTRIES_PER_FRAME = 16
+
 
 class FileStore(Protocol):
   """The files a row references. Every method raises `Drop` with the reason to count."""
@@ -36,8 +40,10 @@ class FileStore(Protocol):
   def reading(self, paths: Iterable[str]) -> contextlib.AbstractContextManager:
     """A context within which `read` of `paths` may be served by reads started together."""
 
-  def list_frames(self, folder: str) -> list[str]:
-    """Every file of a located frame folder, in upstream's order (`video.order_folder_entries`)."""
+  def list_frames(self, folder: str, max_frames: int | None = None) -> list[str]:
+    """Every file of a located frame folder, in upstream's order (`video.order_folder_entries`);
+    a folder of more than `FOLDER_ENTRIES_PER_FRAME * max_frames` entries is dropped
+    (`too_many_video_frames`) before it is listed whole."""
 
   def open_video(self, path: str, max_bytes: int) -> str | IO[bytes]:
     """A located video file of at most `max_bytes` as PyAV opens it, checked before it is read."""
@@ -129,13 +135,19 @@ class DiskFiles:
       self.ahead.forget(self._together)
       self._together = set()
 
-  def list_frames(self, folder: str) -> list[str]:
+  def list_frames(self, folder: str, max_frames: int | None = None) -> list[str]:
+    bound = fs.MAX_LIST_ENTRIES if max_frames is None else FOLDER_ENTRIES_PER_FRAME * max_frames
     listed = self.ahead.take(("list", folder)) if self.ahead is not None else None
     try:
       if listed is None:
-        listed = self.storage.call(folder, lambda: fs.list_files(folder))
+        listed = self.storage.call(folder, lambda: fs.list_files(folder, max_entries=bound))
+    except fs.ListingTooLong:
+      listed = None
     except OSError as e:
       raise _definite(e, f"video folder {folder}") from None
+    require(listed is not None and len(listed) <= bound, DropReason.TOO_MANY_VIDEO_FRAMES,
+            f"video folder {folder} holds more than {bound} entries "
+            f"({FOLDER_ENTRIES_PER_FRAME} x max_video_frames = {max_frames})")
     frames = order_folder_entries(listed)
     if not fs.is_uri(folder):
       root = os.path.realpath(folder)
@@ -198,7 +210,8 @@ class EmbeddedFiles:
     del paths
     return contextlib.nullcontext()
 
-  def list_frames(self, folder: str) -> list[str]:
+  def list_frames(self, folder: str, max_frames: int | None = None) -> list[str]:
+    del max_frames  # the record holds what the converter listed, within its bound
     names = [*self.record.files, *self.record.file_errors]  # an unreadable frame counts too
     inside = [name for name in names
               if name.startswith(folder) and "/" not in name[len(folder):]]

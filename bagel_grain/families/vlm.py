@@ -144,7 +144,8 @@ class VLMTransform(FamilyTransform):
     """The first `used(n)` of the `n` frames a video gives, and `n`: paths of a frame
     folder's entries, or frames decoded from a video file (PIL images)."""
     if is_folder(path):
-      frames = video.sample_folder(files.list_frames(path), self.frame_sampler, rng,
+      frames = video.sample_folder(files.list_frames(path, self.max_video_frames),
+                                   self.frame_sampler, rng,
                                    max_frames=self.max_video_frames)
       return frames[:used(len(frames))], len(frames)
     return video.read_video_frames(

@@ -215,7 +215,8 @@ def _dataset_changes(changes: Changes, group: str, dataset: str) -> str:
     found = manifest.changes(saved, ours)
   else:
     summary = {k: {f: changes.saved.get(prefix + f) if k == "saved" else changes.ours.get(
-        prefix + f) for f in ("files", "bytes", "blocks", "digest")} for k in ("saved", "ours")}
+        prefix + f) for f in ("files", "bytes", "blocks", "digest", manifest.CONTENT)}
+               for k in ("saved", "ours")}
     found = manifest.summary_changes(summary["saved"], summary["ours"])
     if ours is not None and len(ours.files) == 1 and summary["saved"]["files"] == 1:
       found = [f"{ours.files[0][0]}: {'; '.join(found)}"]  # one file: it is the one

@@ -22,7 +22,7 @@ from typing import Any, Mapping, Sequence
 
 from bagel_grain.errors import StateMismatchError
 from bagel_grain.packing import continuation, shares
-from bagel_grain.sources.manifest import Manifest
+from bagel_grain.sources.manifest import CONTENT, Manifest
 
 STATE_VERSION = 3
 ERAS_VERSION = 4  # a state holding earlier record sets (`packing.eras`): older readers refuse it
@@ -88,7 +88,8 @@ def opened(state: Any, identity: StreamIdentity, *, allow_changes: bool = False,
   changed = sorted(k for k in set(saved) | set(ours)
                    if saved.get(k, _ABSENT) != ours.get(k, _ABSENT)
                    and not (k not in saved and k in identity.defaults
-                            and ours[k] == identity.defaults[k]))
+                            and ours[k] == identity.defaults[k])
+                   and not _content_unknown(k, saved, ours))
   changed = _weights_as_shares(changed, saved, ours, _group_names(saved_tree),
                                _group_names(ours_tree))
   stages = {k: v for k, v in state.items() if k not in ("version", "fingerprint")}
@@ -116,6 +117,13 @@ def _weights_as_shares(changed: list[str], saved: Mapping[str, Any], ours: Mappi
     return changed  # a damaged or missing weight: named as a change
   same = shares.same_draws(*weights)
   return [k for k in changed if k not in keys] if same else changed
+
+
+def _content_unknown(key: str, saved: Mapping[str, Any], ours: Mapping[str, Any]) -> bool:
+  """A dataset's content checksums (`manifest.CONTENT`) known on one side only: data not
+  indexed on the other, or a state saved before them. Sizes still compare."""
+  return (key.startswith("data.") and key.endswith("." + CONTENT)
+          and (key not in saved or key not in ours))
 
 
 def _group_names(fingerprint: Mapping[str, Any]) -> list[str]:

@@ -4,11 +4,14 @@ Every process reads the file as the build found it, or not at all. Each process
 opens it itself (a worker on its first line), so a file deleted, replaced or
 rewritten while the stream runs would otherwise give each process whatever it
 opened: the main process kept reading a deleted file through its open handle
-while workers, opening it afresh, found nothing. Instead, a process checks that
-the file it opened is the one the build indexed (size and modification time),
-and a local file is checked again at every line (deleted, or changed, since it
-was opened): the lines of a file that changed are dropped as `unreadable_file`
-naming it, whatever the worker count.
+while workers, opening it afresh, found nothing. Instead, every read is of the
+file the build saw. An object is identified as its store reports it (its `FileInfo`
+at build: S3 ETag, GCS generation and checksums) and every line is read pinned to
+it (`fs.open_random_access(pin=)`), so an identical re-upload (same bytes, a new
+upload time) reads on and anything else is refused. A local file is checked to be
+the one the build saw (size and modification time) when opened and again at every
+line (deleted, or changed, since). The lines of a file that changed are dropped
+as `unreadable_file` naming it, whatever the worker count.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from __future__ import annotations
 import io
 import os
 import threading
+import time
 
 import numpy as np
 
@@ -152,15 +156,19 @@ class JsonlLineSource:
     self._load()
     if self._file is None:
       self._file = _open_checked(self._path, self._stamp)
-    data = self._file.read_at(int(self._length[index]), int(self._start[index]))
+    try:
+      data = self._file.read_at(int(self._length[index]), int(self._start[index]))
+    except fs.ObjectChanged as e:
+      raise Drop(DropReason.UNREADABLE_FILE,
+                 f"{e}; it changed since the stream was built: its lines are not read") from None
     return data[:-1] if data.endswith(b"\r") else data
 
 
-def _stamp(path: str) -> tuple[int, int]:
-  """(size, modification time in ns): what tells the file the build indexed."""
+def _stamp(path: str) -> fs.FileInfo | tuple[int, int]:
+  """What tells the file the build saw: an object's `FileInfo` (its reads are pinned to
+  it), a local file's (size, modification time in ns)."""
   if fs.is_uri(path):
-    info = fs.file_info(path)
-    return int(info.size), int(info.mtime_ns or 0)
+    return fs.file_info(path)
   st = os.stat(path)
   return st.st_size, st.st_mtime_ns
 
@@ -171,29 +179,38 @@ def _changed(path: str, now: tuple[int, int], indexed: tuple[int, int]) -> Drop:
               f"{indexed}): its lines are not read")
 
 
-def _open_checked(path: str, indexed: tuple[int, int]):
-  """The file opened for reading by offset, if it is still the one indexed; else Drop."""
-  if fs.is_uri(path):
-    now = _stamp(path)  # an object store has no open handle to hold: one request
-    if now != indexed:
-      raise _changed(path, now, indexed)
-    return fs.open_random_access(path)
+def _open_checked(path: str, indexed: fs.FileInfo | tuple[int, int]):
+  """The file opened for reading by offset, if it is still the one indexed; else Drop.
+  An object is opened pinned (each read checked by the store: no request of ours)."""
+  if isinstance(indexed, fs.FileInfo):
+    return fs.open_random_access(path, pin=indexed)
   return _LocalLines(path, indexed)
 
 
 class _LocalLines:
-  """A local JSONL file read with `pread`, checked at every read to be the one indexed.
+  """A local JSONL file read with `pread`, checked to be the one the build saw.
 
-  One `fstat` a line (a microsecond) tells a deleted file (no link left) or one
-  rewritten in place; the descriptor closes with the object.
+  On a local file system one `fstat` a line (about 10 us in Python) tells a deleted
+  file (no link left) or one rewritten in place. On a network or FUSE mount (gcsfuse,
+  NFS) an `fstat` may be a metadata request to the server once its cache lapses
+  (gcsfuse with a stat TTL of 0: every one), tens of milliseconds a line: there the
+  file is checked when opened and then at most once every `MOUNT_CHECK_S`, so a change
+  is seen within that time. The descriptor closes with the object.
   """
 
   def __init__(self, path: str, indexed: tuple[int, int]):
     self._path, self._indexed = path, indexed
     self._file = io.FileIO(path, "r")
+    self._every_s = MOUNT_CHECK_S if on_network_mount(path) else 0.0
+    self._checked = 0.0
     self._check()
 
   def _check(self) -> None:
+    if self._every_s:
+      now = time.monotonic()
+      if now - self._checked < self._every_s:
+        return
+      self._checked = now
     st = os.fstat(self._file.fileno())
     if st.st_nlink == 0:
       raise Drop(DropReason.UNREADABLE_FILE,
@@ -204,3 +221,38 @@ class _LocalLines:
   def read_at(self, nbytes: int, offset: int) -> bytes:
     self._check()
     return os.pread(self._file.fileno(), nbytes, offset)
+
+
+MOUNT_CHECK_S = 1.0
+# File system types whose metadata lives on a server: a stat may be a request.
+_NETWORK_TYPES = ("nfs", "nfs4", "cifs", "smb3", "9p", "ceph", "glusterfs", "lustre", "gpfs",
+                  "fuse.gcsfuse", "fuse.s3fs", "fuse.rclone", "fuse.goofys", "fuse.mountpoint-s3",
+                  "fuse.blobfuse2", "fuse.sshfs", "fuse.juicefs", "fuse.alluxio-fuse")
+
+
+def on_network_mount(path: str) -> bool:
+  """Whether `path` lies on a network or object-store mount (Linux's mount table; False
+  where there is none to read)."""
+  real = os.path.realpath(path)
+  best, kind = "", ""
+  for point, fstype in _mounts():
+    if (real == point or real.startswith(point.rstrip("/") + "/")) and len(point) > len(best):
+      best, kind = point, fstype
+  return kind in _NETWORK_TYPES
+
+
+def _mounts() -> list[tuple[str, str]]:
+  """(mount point, file system type) of this process's mounts, from /proc/self/mountinfo."""
+  try:
+    with open("/proc/self/mountinfo", encoding="utf-8", errors="replace") as f:
+      lines = f.read().splitlines()
+  except OSError:
+    return []
+  out = []
+  for line in lines:
+    fields = line.split(" ")
+    if " - " in line and len(fields) > 4:
+      after = line.split(" - ", 1)[1].split(" ")
+      point = fields[4].encode().decode("unicode_escape")  # spaces are written \040
+      out.append((point, after[0]))
+  return out

@@ -9,6 +9,13 @@ dataset (`summary`: counts and a digest, some 80 bytes); a checkpoint keeps the
 whole manifest beside it, so a restore onto changed data names the files that
 changed (`changes`), and tells records appended from records rewritten
 (`appended`): a JSONL's manifest also holds a digest of its last bytes (`tail`).
+
+Where the data is indexed, the manifest also holds each file's content checksum
+as the index recorded it (`contents`, `identity.Identity.checksum`), and the
+summary a digest of them (`content`): a file rewritten at its size is then
+refused by name. The checksums travel with the index, so a copy or an upload of
+the corpus has the same ones; a side without them (data not indexed, a state
+saved before them) compares sizes only, as before.
 """
 
 from __future__ import annotations
@@ -21,8 +28,10 @@ from typing import Any, Mapping, Sequence
 
 from bagel_grain import fs
 from bagel_grain.config import DatasetSpec
+from bagel_grain.sources import sidecar
 from bagel_grain.sources.array_record import array_record_files
 from bagel_grain.sources.base import RecordSource
+from bagel_grain.sources.parquet import ParquetRowSource
 
 
 @dataclasses.dataclass(frozen=True)
@@ -33,23 +42,34 @@ class Manifest:
   files: tuple[tuple[str, int], ...]
   blocks: int
   tail: str | None = None  # a JSONL's last TAIL_BYTES, hashed: its lines still there?
+  contents: tuple[tuple[str, str], ...] = ()  # (relative path, checksum) of indexed files
 
   def summary(self) -> dict[str, Any]:
-    """What the state keeps of it: counts, and a digest of the file list and sizes."""
+    """What the state keeps of it: counts, a digest of the file list and sizes, and one of
+    the files' content checksums when they are known."""
     listing = json.dumps([list(f) for f in self.files]).encode()
-    return {"files": len(self.files), "bytes": sum(size for _, size in self.files),
-            "blocks": self.blocks, "digest": hashlib.sha256(listing).hexdigest()[:16]}
+    out = {"files": len(self.files), "bytes": sum(size for _, size in self.files),
+           "blocks": self.blocks, "digest": hashlib.sha256(listing).hexdigest()[:16]}
+    if self.contents:
+      checksums = json.dumps([list(c) for c in self.contents]).encode()
+      out[CONTENT] = hashlib.sha256(checksums).hexdigest()[:16]
+    return out
 
   def to_json(self) -> dict[str, Any]:
     tail = {} if self.tail is None else {"tail": self.tail}
+    contents = {"contents": dict(self.contents)} if self.contents else {}
     return {"root": self.root, "files": [list(f) for f in self.files], "blocks": self.blocks,
-            **tail}
+            **tail, **contents}
 
   @classmethod
   def from_json(cls, value: Mapping[str, Any]) -> Manifest:
     tail = value.get("tail")
+    contents = tuple(sorted((str(p), str(c)) for p, c in (value.get("contents") or {}).items()))
     return cls(str(value["root"]), tuple((str(p), int(n)) for p, n in value["files"]),
-               int(value["blocks"]), None if tail is None else str(tail))
+               int(value["blocks"]), None if tail is None else str(tail), contents)
+
+
+CONTENT = "content"  # the summary's key for the content checksums' digest
 
 
 TAIL_BYTES = 4096
@@ -65,8 +85,8 @@ def tail_digest(path: str, size: int) -> str:
 
 
 def dataset_manifest(spec: DatasetSpec, record_format: str, source: RecordSource) -> Manifest:
-  """The manifest of one dataset as its (unrestricted) source reads it: one listing of its
-  folder, or one look at its file; `record_format` as `Family.record_format` says."""
+  """The manifest of one dataset as its (unrestricted) source reads it: the listing of its
+  folder the build made (a parquet source keeps it), or one look at its file; `record_format` as `Family.record_format` says."""
   if record_format == "array_record":
     paths = array_record_files(spec.array_record_path)
     root = spec.array_record_path if fs.is_dir(spec.array_record_path) else fs.dirname(
@@ -75,11 +95,19 @@ def dataset_manifest(spec: DatasetSpec, record_format: str, source: RecordSource
   elif record_format == "jsonl":
     root = fs.dirname(spec.jsonl_path)
     size = fs.file_info(spec.jsonl_path).size
-    return Manifest(root, ((_relative(spec.jsonl_path, root), size),), source.num_blocks(),
-                    tail_digest(spec.jsonl_path, size))
+    name = _relative(spec.jsonl_path, root)
+    checksum = sidecar.indexed_checksums(spec.jsonl_path, "jsonl").get(spec.jsonl_path)
+    return Manifest(root, ((name, size),), source.num_blocks(),
+                    tail_digest(spec.jsonl_path, size), ((name, checksum),) if checksum else ())
   else:
     root = spec.data_dir
-    files = [(i.base_name, i.size) for i in fs.list_file_infos(spec.data_dir, ".parquet")]
+    files = (list(source.listed) if isinstance(source, ParquetRowSource) and source.listed
+             else [(i.base_name, i.size) for i in fs.list_file_infos(spec.data_dir, ".parquet")])
+    checksums = sidecar.indexed_checksums(spec.data_dir, "parquet")
+    return Manifest(root, tuple(sorted(files)), source.num_blocks(),
+                    contents=tuple(sorted((name, checksums[fs.join(root, name)])
+                                          for name, _ in files
+                                          if fs.join(root, name) in checksums)))
   return Manifest(root, tuple(sorted(files)), source.num_blocks())
 
 
@@ -90,13 +118,21 @@ def _relative(path: str, root: str) -> str:
   return path[len(root):].lstrip("/") if path.startswith(root) else path
 
 
+def rewritten(saved: Manifest, now: Manifest) -> list[str]:
+  """Files both sides know the content checksum of, and whose checksums differ."""
+  before, after = dict(saved.contents), dict(now.contents)
+  return sorted(p for p in set(before) & set(after) if before[p] != after[p])
+
+
 def changes(saved: Manifest, now: Manifest) -> list[str]:
-  """What differs, file by file: added, removed, resized; then the blocks."""
+  """What differs, file by file: added, removed, resized, rewritten; then the blocks."""
   before, after = dict(saved.files), dict(now.files)
   out = [f"{p} added ({after[p]} bytes)" for p in sorted(set(after) - set(before))]
   out += [f"{p} removed" for p in sorted(set(before) - set(after))]
   out += [f"{p} changed size ({before[p]} -> {after[p]} bytes)"
           for p in sorted(set(before) & set(after)) if before[p] != after[p]]
+  out += [f"{p} rewritten (its content checksum differs from the saved one)"
+          for p in rewritten(saved, now) if before.get(p) == after.get(p)]
   if saved.blocks != now.blocks:
     out.append(f"blocks (row groups, lines or records) {saved.blocks} -> {now.blocks}")
   return out
@@ -108,7 +144,7 @@ def appended(saved: Manifest, now: Manifest, record_format: str) -> str | None:
   JSONL longer (its old lines are checked when the stream is built: `jsonl_prefix`).
   None when records were removed or rewritten, or nothing was appended."""
   before, after = dict(saved.files), dict(now.files)
-  if set(before) - set(after):
+  if set(before) - set(after) or rewritten(saved, now) and record_format != "jsonl":
     return None
   if record_format == "jsonl" and len(before) == len(after) == 1:
     (name, size), = saved.files
@@ -126,6 +162,9 @@ def summary_changes(saved: Mapping[str, Any], now: Mapping[str, Any]) -> list[st
          if saved.get(key) != now.get(key)]
   if not out and saved.get("digest") != now.get("digest"):
     out.append("file names or sizes (same totals)")
+  if not out and None not in (saved.get(CONTENT), now.get(CONTENT)) and (
+      saved.get(CONTENT) != now.get(CONTENT)):
+    out.append("file contents (same names and sizes; the checkpoint's file lists name them)")
   return out
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
+import functools
 import json
 import os
 import threading
@@ -16,7 +17,7 @@ from typing import Any, Sequence
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
-import pyarrow.parquet as pq
+from pyarrow._parquet import ParquetReader  # pylint: disable=no-name-in-module
 
 from bagel_grain import fs, held_memory
 from bagel_grain.drops import Drop, DropReason
@@ -32,28 +33,23 @@ _BATCH_BYTES = 1 << 20  # a row group is decoded this much at a time
 _UNDECODABLE_KEPT = 256
 
 
-_POOL_CHOSEN = False
-
-
-def _choose_memory_pool() -> None:
-  """Arrow's jemalloc pool, process-wide, unless `ARROW_DEFAULT_MEMORY_POOL` chose one.
+@functools.cache
+def _memory_pool() -> pa.MemoryPool:
+  """The pool row groups are decoded into: Arrow's jemalloc pool where pyarrow has it.
 
   Row groups are decoded on read-ahead threads and freed on others. pyarrow's default
   pool (mimalloc) kept what they freed in each thread's heap: the main process grew by
   about 300 MiB over 500 batches of the bench config, with 50 MiB of Arrow memory in use;
-  jemalloc gives it back. Chosen at the first row-group read of a process (the main
-  process's or a worker's), never at import.
+  jemalloc gives it back. Passed to each read (`ParquetReader(memory_pool=)`), so the
+  host's own default pool is never changed; `ARROW_DEFAULT_MEMORY_POOL` set by the host
+  is obeyed.
   """
-  global _POOL_CHOSEN  # pylint: disable=global-statement
-  if _POOL_CHOSEN:
-    return
-  _POOL_CHOSEN = True
   if os.environ.get("ARROW_DEFAULT_MEMORY_POOL"):
-    return
+    return pa.default_memory_pool()
   try:
-    pa.set_memory_pool(pa.jemalloc_memory_pool())
+    return pa.jemalloc_memory_pool()
   except NotImplementedError:
-    pass  # a pyarrow built without jemalloc: its default stays
+    return pa.default_memory_pool()  # a pyarrow built without jemalloc
 
 
 class _RowGroupGone(Exception):
@@ -117,8 +113,12 @@ class ParquetCatalog:
 
   def __init__(self, files: Sequence[str], columns: Sequence[str], *,
                facts: dict[str, sidecar.ParquetFileFacts] | None = None,
-               counts: dict[str, int] | None = None, counts_file: str | None = None):
+               counts: dict[str, int] | None = None, counts_file: str | None = None,
+               listed: Sequence[tuple[str, int]] = (),
+               pins: dict[str, fs.FileInfo] | None = None):
     self.files, self.columns = list(files), list(columns)
+    self.listed = tuple(listed)  # (name, size) of the folder's files, as the build listed them
+    self.pins = dict(pins or {})  # file path -> its listing: what every read must find
     self._facts = dict(facts or {})
     self._counts, self._counts_file = dict(counts or {}), counts_file
     missing = sorted({f for f in self.files if f not in self._facts and f not in self._counts})
@@ -185,19 +185,22 @@ def dataset_catalog(data_dir: str, num_used: int | None, columns: Sequence[str],
   if not listed:
     raise DatasetError("no .parquet files in data_dir", file=data_dir, field="data_dir")
   files = [fs.join(data_dir, i.base_name) for i in listed]
+  pins = dict(zip(files, listed))
   if num_used is not None:
     files = [files[i % len(files)] for i in range(num_used)]
+  names = [(i.base_name, int(i.size)) for i in listed]  # the manifest's: no second listing
   facts = sidecar.read_parquet_index(data_dir, listed)
   if facts is not None:
     for info in listed:  # the index's counts size the order as a footer's would
       path = fs.join(data_dir, info.base_name)
       parquet_footer.check_indexed_rows(facts[path].row_group_rows, int(info.size), path,
                                         fs.join(data_dir, sidecar.PARQUET_INDEX))
-    return ParquetCatalog(files, columns, facts=facts)
+    return ParquetCatalog(files, columns, facts=facts, listed=names, pins=pins)
   if parquet_info_path is not None:
     counts = sidecar.row_group_counts(files, sidecar.read_parquet_info(parquet_info_path))
-    return ParquetCatalog(files, columns, counts=counts, counts_file=parquet_info_path)
-  return ParquetCatalog(files, columns)
+    return ParquetCatalog(files, columns, counts=counts, counts_file=parquet_info_path,
+                          listed=names, pins=pins)
+  return ParquetCatalog(files, columns, listed=names, pins=pins)
 
 
 class ParquetRowSource:
@@ -219,6 +222,8 @@ class ParquetRowSource:
                readers: int = 1, cache_bytes: int = DEFAULT_CACHE_BYTES,
                cache: _RowGroupCache | None = None, max_cell_bytes: int | None = None):
     self._catalog = catalog or ParquetCatalog(files, columns)
+    self._pins = self._catalog.pins  # reads are of the files the build listed, or dropped
+    self.listed = self._catalog.listed  # (name, size) per file of the folder, when listed
     self._files = list(files)
     self._columns = list(columns)
     self._max_cell_bytes = max_cell_bytes
@@ -264,6 +269,8 @@ class ParquetRowSource:
 
   def _set_blocks(self, block_file, block_rg, sizes, file_row) -> None:
     self._block_file, self._block_rg, self._block_file_row = block_file, block_rg, file_row
+    held = {self._files[i] for i in np.unique(block_file)}
+    self._pins = {f: pin for f, pin in self._pins.items() if f in held}
     self._blocks = PartOffsets(sizes)
     self._catalog = None  # what this source needs is in its arrays now
     self._built = True
@@ -307,6 +314,9 @@ class ParquetRowSource:
           self.row_group_reads += 1
           self.bytes_read += table.nbytes
         self._cache.put(key, table)
+      except fs.ObjectChanged:
+        raise Drop(DropReason.UNREADABLE_FILE, f"{key[0]} changed since the stream was built: "
+                   "its rows are not read") from None
       except (pa.ArrowException, _RowGroupGone) as e:
         if isinstance(e, OSError):
           raise  # an I/O error: the caller decides whether it lasts
@@ -329,16 +339,18 @@ class ParquetRowSource:
     by doubling: Arrow's peak is about 4 times the row group, against under 3 this
     way (a binary column pyarrow wrote dictionary-first still decodes that page whole).
     """
-    _choose_memory_pool()
-    with fs.open_random_access(path) as f:
-      parquet = pq.ParquetFile(f, buffer_size=_BATCH_BYTES, pre_buffer=False)
+    with fs.open_random_access(path, pin=self._pins.get(path)) as f:
+      # pyarrow's ParquetFile takes no pool: its reader does (the class ParquetFile wraps).
+      parquet = ParquetReader(memory_pool=_memory_pool())
+      parquet.open(f, buffer_size=_BATCH_BYTES, pre_buffer=False)
       if row_group >= parquet.metadata.num_row_groups:
         raise _RowGroupGone(f"the file has {parquet.metadata.num_row_groups} row groups now")
       nbytes = parquet.metadata.row_group(row_group).total_byte_size  # uncompressed
       self._cache.make_room(nbytes)
       batch_rows = max(1, min(rows, _BATCH_BYTES * rows // max(1, nbytes)))
-      batches = parquet.iter_batches(batch_size=batch_rows, row_groups=[row_group],
-                                     columns=self._columns, use_threads=False)
+      wanted = set(self._columns)  # a nested column is read through its leaves
+      columns = [i for i, leaf in enumerate(parquet.column_paths) if leaf[0] in wanted]
+      batches = parquet.iter_batches(batch_rows, [row_group], columns, use_threads=False)
       if self._max_cell_bytes is None:
         return pa.Table.from_batches(list(batches))
       return _drop_oversized_cells(batches, self._max_cell_bytes)
@@ -400,7 +412,8 @@ def _drop_oversized_cells(batches, limit: int) -> pa.Table:
                            f"bytes, over max_image_bytes {limit}")
         # take() with null indices copies just what stays (if_else would size its
         # output buffer by the input's, large value included).
-        column = column.take(pa.array(np.arange(len(column)), mask=over))
+        column = pc.take(column, pa.array(np.arange(len(column)), mask=over),
+                         memory_pool=_memory_pool())
       columns.append(column)
     kept.append(pa.RecordBatch.from_arrays(columns, schema=batch.schema))
     first += batch.num_rows

@@ -18,8 +18,12 @@ forgotten by its reader (`ReadAheadRecords`). A read that failed, or is not
 done after `WAIT_S`, is not served and not kept: the consumer reads for itself,
 under the storage retry policy (`bagel_grain.storage`), and meets the usual
 drop or error. Reads ahead try once (a transient failure is the consumer's to
-wait out). Its threads start on first use and stop at `close()` (the fetcher
-closes them with the iterator).
+wait out) and end by the group's storage deadline (`storage_timeout_s` from
+their start, inside the request too); the consumer waits for one no longer than
+its own element's deadline. Its threads (daemon threads, started on first use)
+stop at `close()` (the fetcher closes them with the iterator): close does not
+wait for a read in flight, and neither does the interpreter's exit (a pool of
+`concurrent.futures` would join them there).
 """
 
 from __future__ import annotations
@@ -34,15 +38,16 @@ from typing import Any, Callable, Hashable, Iterable
 import grain
 
 from bagel_grain import fs, held_memory
-from bagel_grain.storage import RetryPolicy, single_attempts
+from bagel_grain.storage import RetryPolicy, element_deadline, single_attempts
 
 THREADS = 8  # requests in flight per group and process, at least
 MAX_THREADS = 64  # ... and at most, as latency asks (see `ReadAhead.target_in_flight`)
 DEPTH = 256  # elements read ahead of the one asked for, at most
 MIN_DEPTH = 32  # ... and at least; between, four times the reads wanted in flight
 MAX_BYTES = 64 << 20  # read but not yet taken, per group and process
-WAIT_S = 60.0  # a read ahead not done by then is done again by the consumer
-CLOSE_WAIT_S = 10.0
+WAIT_S = 60.0  # a read ahead not done by then (or the element's deadline) is done again
+CLOSE_WAIT_S = 0.5  # close waits this long for idle threads to end, never for a read
+MAX_LIST_AHEAD = 1 << 16  # a frame folder listed ahead: more entries, the consumer lists it
 _FIRST_GUESS = 256 << 10  # size assumed for a read of unknown size before any is done
 _SMOOTHING = 0.1  # weight of the newest sample in the latency and rate averages
 
@@ -88,7 +93,7 @@ class ReadAhead:
     self._reset()
 
   def _reset(self) -> None:
-    self._pool: concurrent.futures.ThreadPoolExecutor | None = None
+    self._pool: DaemonThreads | None = None
     self._reads: collections.OrderedDict[Hashable, concurrent.futures.Future] = (
         collections.OrderedDict())
     self._admitted: dict[Hashable, int] = {}  # bytes counted for each read held
@@ -154,20 +159,19 @@ class ReadAhead:
       if paced and self._in_flight() >= self.target_in_flight():
         return False
       if self._pool is None:
-        self._pool = concurrent.futures.ThreadPoolExecutor(
-            self._max_threads, thread_name_prefix="bagel-grain-readahead",
-            initializer=single_attempts)
+        self._pool = DaemonThreads(self._max_threads, "bagel-grain-readahead")
       self._admitted[key] = need
       if size is not None:
         self._known.add(key)
-      future = self._pool.submit(self._timed, read)
+      future = self._pool.submit(lambda: self._timed(read))
       self._reads[key] = future
     future.add_done_callback(lambda f: self._finished(key, f))
     return True
 
   def _timed(self, read: Callable[[], tuple[Any, int]]) -> tuple[Any, int]:
     start = time.monotonic()
-    value = read()
+    with fs.deadline_scope(start + self.storage.timeout_s):
+      value = read()
     took = time.monotonic() - start
     with self._lock:
       self._read_s += _SMOOTHING * (took - self._read_s) if self._read_s else took
@@ -229,14 +233,15 @@ class ReadAhead:
       self._last_take = now
     if future is None:
       return None
+    wait = min(WAIT_S, element_deadline(self.storage) - time.monotonic())
     try:
-      return future.result(timeout=WAIT_S)[0]
+      return future.result(timeout=max(0.0, wait))[0]
     except Exception:  # pylint: disable=broad-except  # the consumer reads again, and sees it
       return None
 
   def close(self) -> None:
-    """Drops what was read and stops the threads: reads in flight get `CLOSE_WAIT_S` to
-    end (a read stalled past that is left to finish on its own; close never hangs)."""
+    """Drops what was read and stops the threads: idle ones end at once; a read in flight
+    is left to end by its deadline on its own (close waits `CLOSE_WAIT_S` at most)."""
     with self._lock:
       pool, self._pool = self._pool, None
       for future in self._reads.values():
@@ -247,10 +252,69 @@ class ReadAhead:
       self._holders.clear()
       self._handed.clear()
     if pool is not None:
-      pool.shutdown(wait=False, cancel_futures=True)
       deadline = time.monotonic() + CLOSE_WAIT_S
-      for thread in list(pool._threads):  # pylint: disable=protected-access
+      for thread in pool.shutdown():
         thread.join(max(0.0, deadline - time.monotonic()))
+
+
+class DaemonThreads:
+  """Up to `size` daemon threads running submitted calls (reads, which try once).
+
+  Not `concurrent.futures.ThreadPoolExecutor`: its threads are joined at the
+  interpreter's exit, so one read stuck on a silent server kept the process alive.
+  """
+
+  def __init__(self, size: int, name: str):
+    self._size, self._name = size, name
+    self._cond = threading.Condition()
+    self._queue: collections.deque[tuple[concurrent.futures.Future, Callable]] = (
+        collections.deque())
+    self._threads: list[threading.Thread] = []
+    self._idle = 0
+    self._stopped = False
+
+  def submit(self, call: Callable[[], Any]) -> concurrent.futures.Future:
+    future: concurrent.futures.Future = concurrent.futures.Future()
+    with self._cond:
+      self._queue.append((future, call))
+      if len(self._queue) > self._idle and len(self._threads) < self._size:
+        thread = threading.Thread(target=self._run, daemon=True,
+                                  name=f"{self._name}_{len(self._threads)}")
+        self._threads.append(thread)
+        thread.start()
+      self._cond.notify()
+    return future
+
+  def _run(self) -> None:
+    single_attempts()
+    while True:
+      with self._cond:
+        self._idle += 1
+        while not self._queue and not self._stopped:
+          self._cond.wait()
+        self._idle -= 1
+        if self._stopped:
+          return
+        future, call = self._queue.popleft()
+      if not future.set_running_or_notify_cancel():
+        continue
+      try:
+        result = call()
+      except BaseException as e:  # pylint: disable=broad-except  # the taker sees it
+        future.set_exception(e)
+      else:
+        future.set_result(result)
+
+  def shutdown(self) -> list[threading.Thread]:
+    """Cancels what has not started and stops the threads (each after its current call);
+    returns them, to wait for a while if the caller wants."""
+    with self._cond:
+      self._stopped = True
+      for future, _ in self._queue:
+        future.cancel()
+      self._queue.clear()
+      self._cond.notify_all()
+      return list(self._threads)
 
 
 class ReadAheadRecords(grain.MapDataset):
@@ -273,10 +337,11 @@ class ReadAheadRecords(grain.MapDataset):
     self._hinted = -1  # the highest index whose read was started (or done by the consumer)
     self._asked = -1  # the last index asked for: (asked, hinted] are read ahead, not taken
     self._files: dict[int, list[str]] = {}  # the files read ahead for those indices
+    self._requested: set[int] = set()  # read ahead past `_hinted` by `read_ahead`
 
   def __getstate__(self):
     state = self.__dict__.copy()
-    state.update(_hinted=-1, _asked=-1, _files={})
+    state.update(_hinted=-1, _asked=-1, _files={}, _requested=set())
     return state
 
   def __len__(self) -> int:
@@ -298,7 +363,8 @@ class ReadAheadRecords(grain.MapDataset):
     started = []
     for path in self._files_of(record):
       if path.endswith(("/", os.sep)):
-        held = self.ahead.start(("list", path), lambda p=path: _listed(fs.list_files(p)))
+        held = self.ahead.start(("list", path), lambda p=path: _listed(
+            fs.list_files(p, max_entries=MAX_LIST_AHEAD)))
       else:
         held = self.ahead.start(("file", path), lambda p=path: _sized(self._read_file(p)),
                                 size=_local_size(path))
@@ -311,8 +377,24 @@ class ReadAheadRecords(grain.MapDataset):
     size_of = getattr(self._records, "record_bytes", None)
     return None if size_of is None else size_of(index)
 
+  def read_ahead(self, indices: Iterable[int]) -> None:
+    """Starts the reads of elements this process will compute although they are not its
+    share (`_mine`): the main process's own, while workers run (the first elements, and
+    any no worker has taken). Each index once; paced and bounded as the hints are."""
+    for index in indices:
+      if (index <= self._asked or index in self._requested
+          or index <= self._hinted and _mine(index)):  # started already
+        continue
+      if not self.ahead.start(("record", index), lambda i=index: self._read(i),
+                              size=self._record_size(index), paced=True):
+        break
+      self._requested.add(index)
+
   def _forget_below(self, index: int) -> None:
-    stale = [("record", i) for i in range(self._asked + 1, min(index, self._hinted + 1))]
+    hinted = range(self._asked + 1, min(index, self._hinted + 1))
+    passed_requests = {i for i in self._requested if i < index}
+    self._requested -= passed_requests | {index}
+    stale = [("record", i) for i in sorted(set(hinted) | passed_requests)]
     self._asked = index
     for passed in [i for i in list(self._files) if i < index]:  # read-ahead threads add keys
       stale.extend(_file_keys(self._files.pop(passed, ())))
@@ -338,17 +420,33 @@ class ReadAheadRecords(grain.MapDataset):
     return record
 
 
-def close_read_ahead(datasets: Iterable[Any]) -> None:
-  """Stops the read-ahead threads under any of `datasets` (MapDatasets and their parents)."""
-  seen, todo = set(), list(datasets)
+def _records_under(datasets: Iterable[Any]) -> list[ReadAheadRecords]:
+  """The `ReadAheadRecords` under any of `datasets` (MapDatasets and their parents)."""
+  seen, todo, found = set(), list(datasets), []
   while todo:
     dataset = todo.pop()
     if id(dataset) in seen or not isinstance(dataset, grain.MapDataset):
       continue
     seen.add(id(dataset))
     if isinstance(dataset, ReadAheadRecords):
-      dataset.ahead.close()
+      found.append(dataset)
     todo.extend(dataset.parents)
+  return found
+
+
+def close_read_ahead(datasets: Iterable[Any]) -> None:
+  """Stops the read-ahead threads under any of `datasets` (MapDatasets and their parents)."""
+  for records in _records_under(datasets):
+    records.ahead.close()
+
+
+def read_ahead_of(dataset: Any, indices: Iterable[int]) -> None:
+  """Starts this process's reads of a group's elements `indices` (`dataset`: the group's
+  MapDataset, whose element i is its records' element i), whoever `owner` says decodes
+  them: the fetcher's inline thread computes them itself."""
+  indices = list(indices)
+  for records in _records_under([dataset]):
+    records.read_ahead(indices)
 
 
 def _local_size(path: str) -> int | None:

@@ -6,31 +6,34 @@ footer, no JSONL scan), and one that does not find it scans as before, with a
 warning. A stale index (a file changed after it was written) is refused.
 
 - A parquet dataset folder gets `.bagel_index.arrow` (Arrow IPC): one row per
-  parquet file with its name, size, modification time, column names and the rows
-  of each row group.
-- A JSONL file `F` gets `F.bagel_index.json` (its size, modification time and line
-  count), `F.bagel_lines.npy` (the byte offset where each line starts, plus one
+  parquet file with its name, identity (`identity.Identity`: size, checksums, probe,
+  and the time it had where it was indexed), column names and the rows of each row group.
+- A JSONL file `F` gets `F.bagel_index.json` (its identity and line count), `F.bagel_lines.npy` (the byte offset where each line starts, plus one
   past the last line: N + 1 int64, memory-mappable) and, for each `shuffle_seed`
   a config shuffles it with, `F.bagel_shuffle_SEED.npy` (upstream's line order).
 
-Freshness is checked by size and modification time (an object store's
-last-modified time changes whenever the object is rewritten). Integrity is checked
+Each data file is identified by its size and content checksums (`identity`), not
+by its time: a copy, an upload or a bucket-to-bucket copy of the corpus keeps its
+index valid; a file rewritten, even at its size, is refused by name. Integrity is checked
 too, before any value is used: the parquet index carries a SHA-256 of its content,
 and `F.bagel_index.json` a CRC-32 of every MiB of each `.npy` file beside it, so a
 reader verifies just the blocks it reads (a host reading its share of a 10M-line
 index checks its share). A damaged file is refused naming it. Indexes written
-before the checksums (format 1) are refused with "re-run `bagel-grain index`":
-trusting them would let a zeroed shuffle repeat one line a whole epoch.
+before these checksums (formats 1 and 2) are refused with "re-run `bagel-grain
+index`": trusting them would let a zeroed shuffle repeat one line a whole epoch,
+or a copy's new times refuse every file.
 """
 
 from __future__ import annotations
 
 import array
 import concurrent.futures
+import dataclasses
 import hashlib
 import io
 import json
 import logging
+import os
 import random
 import zlib
 from typing import Callable, Sequence
@@ -38,18 +41,18 @@ from typing import Callable, Sequence
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
-from pyarrow import fs as pafs
 
 from bagel_grain import fs
 from bagel_grain.errors import DatasetError
-from bagel_grain.sources import parquet_footer
+from bagel_grain.sources import identity, parquet_footer
 
 log = logging.getLogger(__name__)
 
 PARQUET_INDEX = ".bagel_index.arrow"
-_PARQUET_FORMAT = b"bagel-grain parquet index 2"
-_JSONL_FORMAT = "bagel-grain jsonl index 2"
-_OLD_FORMATS = (b"bagel-grain parquet index 1", "bagel-grain jsonl index 1")
+_PARQUET_FORMAT = b"bagel-grain parquet index 3"
+_JSONL_FORMAT = "bagel-grain jsonl index 3"
+_OLD_FORMATS = (b"bagel-grain parquet index 1", "bagel-grain jsonl index 1",
+                b"bagel-grain parquet index 2", "bagel-grain jsonl index 2")
 CHECK_BLOCK = 1 << 20  # bytes of a .npy sidecar per CRC-32
 _SCAN_CHUNK = 1 << 24
 _GATHER_CHUNK = 1 << 20  # boundaries read at a time when gathering a shard's lines
@@ -70,17 +73,13 @@ def _warn_once(path: str, what: str) -> None:
               "to skip this.", path, what)
 
 
-def _stamp(info: pafs.FileInfo) -> tuple[int, int]:
-  return int(info.size), int(info.mtime_ns or 0)
-
-
 def _rebuild_hint(what: str) -> str:
   return (f"{what}; run `bagel-grain index CONFIG` to rebuild the index, or delete it "
           "to scan the data at every start")
 
 
-_OUTDATED = ("the sidecar index was written by an older bagel-grain, without checksums; "
-             "re-run `bagel-grain index CONFIG`")
+_OUTDATED = ("the sidecar index was written by an older bagel-grain (without the checksums that "
+             "identify its files by content); re-run `bagel-grain index CONFIG`")
 
 
 # -- parquet ---------------------------------------------------------------------
@@ -99,9 +98,11 @@ def read_footer(path: str) -> pq.FileMetaData:
 class ParquetFileFacts:
   """Per parquet file: its columns and the rows of each of its row groups."""
 
-  def __init__(self, columns: Sequence[str], row_group_rows: np.ndarray):
+  def __init__(self, columns: Sequence[str], row_group_rows: np.ndarray,
+               ident: identity.Identity | None = None):
     self.columns = tuple(columns)
     self.row_group_rows = np.asarray(row_group_rows, np.int64)
+    self.identity = ident  # what the index recorded of the file; None from a footer
 
   @classmethod
   def of_footer(cls, meta: pq.FileMetaData) -> ParquetFileFacts:
@@ -109,72 +110,78 @@ class ParquetFileFacts:
                [meta.row_group(i).num_rows for i in range(meta.num_row_groups)])
 
 
-def list_parquet_files(data_dir: str) -> list[tuple[str, int, int]]:
-  """(name, size, mtime_ns) of each parquet file in the folder, by name: what its index stamps."""
+def list_parquet_files(data_dir: str) -> list[tuple[str, identity.Identity]]:
+  """(name, identity as listed) of each parquet file in the folder, by name: one listing."""
   infos = fs.list_file_infos(data_dir, ".parquet")
   if not infos:
     raise DatasetError("no .parquet files in data_dir", file=data_dir, field="data_dir")
-  return [(i.base_name, *_stamp(i)) for i in infos]
+  return [(i.base_name, identity.of_listing(i)) for i in infos]
 
 
-def _parquet_checksum(names, sizes, mtimes, columns, rows) -> bytes:
+_IDENTITY_FIELDS = ("size", "mtime_ns", "md5", "crc32c", "etag", "probe")
+
+
+def _parquet_checksum(names, identities, columns, rows) -> bytes:
   """SHA-256 of an index's values, spelled independently of Arrow's file layout (so any
   pyarrow version writes and checks the same one)."""
   digest = hashlib.sha256()
-  for name, size, mtime, cols, counts in zip(names, sizes, mtimes, columns, rows, strict=True):
-    digest.update(json.dumps([name, int(size), int(mtime), list(cols)]).encode())
+  for name, ident, cols, counts in zip(names, identities, columns, rows, strict=True):
+    digest.update(json.dumps([name, dataclasses.astuple(ident), list(cols)]).encode())
     digest.update(np.asarray(counts, "<i8").tobytes() + b"\n")
   return digest.hexdigest().encode()
 
 
-def parquet_index_bytes(files: Sequence[tuple[str, int, int]],
+def parquet_index_bytes(files: Sequence[tuple[str, identity.Identity]],
                         facts: Sequence[ParquetFileFacts]) -> bytes:
-  """The folder's index file: `files` as `list_parquet_files` gives them, their facts."""
-  names, sizes, mtimes = ([f[k] for f in files] for k in range(3))
+  """The folder's index file: (name, identity as `identity.indexed` gives it) of each
+  file, and their facts."""
+  names = [f[0] for f in files]
+  identities = [f[1] for f in files]
   columns = [list(f.columns) for f in facts]
   rows = [f.row_group_rows for f in facts]
   table = pa.table({
       "name": names,
-      "size": pa.array(sizes, pa.int64()),
-      "mtime_ns": pa.array(mtimes, pa.int64()),
+      **{field: pa.array([getattr(i, field) for i in identities],
+                         pa.int64() if field in ("size", "mtime_ns") else pa.string())
+         for field in _IDENTITY_FIELDS},
       "columns": pa.array(columns, pa.list_(pa.string())),
       "row_group_rows": pa.array(rows, pa.list_(pa.int64())),
   }).replace_schema_metadata({b"format": _PARQUET_FORMAT,
-                              b"sha256": _parquet_checksum(names, sizes, mtimes, columns, rows)})
+                              b"sha256": _parquet_checksum(names, identities, columns, rows)})
   out = io.BytesIO()
   with pa.ipc.new_file(out, table.schema) as writer:
     writer.write_table(table)
   return out.getvalue()
 
 
+def indexed_parquet_file(path: str, listed: identity.Identity,
+                         progress: Callable | None = None):
+  """(identity, facts) of one parquet file, as its index records them."""
+  return identity.indexed(path, listed, "parquet", progress), ParquetFileFacts.of_footer(
+      read_footer(path))
+
+
 def write_parquet_index(data_dir: str, progress: Callable | None = None) -> str:
-  """Reads every footer of the folder's parquet files once; writes the folder's index."""
+  """Reads every parquet file of the folder once (its checksums, unless the listing gives
+  them, and its footer); writes the folder's index. `progress(n)`: n bytes read."""
   files = list_parquet_files(data_dir)
   with concurrent.futures.ThreadPoolExecutor(FOOTER_THREADS) as pool:
-    facts = []
-    for meta in pool.map(read_footer, [fs.join(data_dir, f[0]) for f in files]):
-      facts.append(ParquetFileFacts.of_footer(meta))
-      if progress:
-        progress(1)
+    done = list(pool.map(lambda f: indexed_parquet_file(fs.join(data_dir, f[0]), f[1], progress),
+                         files))
   path = fs.join(data_dir, PARQUET_INDEX)
-  fs.write_bytes(path, parquet_index_bytes(files, facts))
+  fs.write_bytes(path, parquet_index_bytes([(name, d[0]) for (name, _), d in zip(files, done)],
+                                           [d[1] for d in done]))
   return path
 
 
-def read_parquet_index(data_dir: str,
-                       listed: Sequence[pafs.FileInfo]) -> dict[str, ParquetFileFacts] | None:
-  """The folder's index as {file path: facts}; None (and a warning) when there is none.
-
-  DatasetError when a listed file is missing from the index or changed since.
-  """
-  path = fs.join(data_dir, PARQUET_INDEX)
+def _load_parquet_index(path: str):
+  """(names, identities, columns, row group rows) of an index file, checked; FileNotFoundError
+  when there is none."""
   try:
     with fs.open_random_access(path) as f:
       table = pa.ipc.open_file(f).read_all()
   except FileNotFoundError:
-    if len(listed) >= WARN_FILES:
-      _warn_once(data_dir, f"reads the footers of its {len(listed):,} parquet files")
-    return None
+    raise
   except (OSError, pa.ArrowException) as e:
     raise DatasetError(_rebuild_hint(f"unreadable sidecar index: {e}"), file=path) from None
   metadata = table.schema.metadata or {}
@@ -182,29 +189,86 @@ def read_parquet_index(data_dir: str,
     raise DatasetError(_OUTDATED, file=path)
   if metadata.get(b"format") != _PARQUET_FORMAT:
     raise DatasetError(_rebuild_hint("not a bagel-grain parquet index"), file=path)
-  names = table.column("name").to_pylist()
-  sizes, mtimes = table.column("size").to_pylist(), table.column("mtime_ns").to_pylist()
-  columns = table.column("columns").to_pylist()
-  rows = [r.values.to_numpy() for r in table.column("row_group_rows")]
-  if _parquet_checksum(names, sizes, mtimes, columns, rows) != metadata.get(b"sha256"):
+  try:
+    names = table.column("name").to_pylist()
+    fields = [table.column(f).to_pylist() for f in _IDENTITY_FIELDS]
+    columns = table.column("columns").to_pylist()
+    rows = [r.values.to_numpy() for r in table.column("row_group_rows")]
+  except KeyError as e:
+    raise DatasetError(_rebuild_hint(f"not a bagel-grain parquet index: {e}"), file=path) from None
+  identities = [identity.Identity(*values) for values in zip(*fields)]
+  if _parquet_checksum(names, identities, columns, rows) != metadata.get(b"sha256"):
     raise DatasetError(_rebuild_hint("the index does not match its checksum: it was damaged "
                                      "or edited after it was written"), file=path)
-  stamps = dict(zip(names, zip(sizes, mtimes)))
+  return names, identities, columns, rows
+
+
+def read_parquet_index(data_dir: str,
+                       listed: Sequence[fs.FileInfo]) -> dict[str, ParquetFileFacts] | None:
+  """The folder's index as {file path: facts}; None (and a warning) when there is none.
+
+  DatasetError when a listed file is missing from the index, or is not the file indexed
+  (`identity.compare`, then its probe when the listing cannot tell).
+  """
+  path = fs.join(data_dir, PARQUET_INDEX)
+  try:
+    names, identities, columns, rows = _load_parquet_index(path)
+  except FileNotFoundError:
+    if len(listed) >= WARN_FILES:
+      _warn_once(data_dir, f"reads the footers of its {len(listed):,} parquet files")
+    return None
+  by_name = dict(zip(names, identities))
   for info in listed:
-    if info.base_name not in stamps:
+    if info.base_name not in by_name:
       raise DatasetError(_rebuild_hint(f"the index does not know {info.base_name}, added "
                                        "since it was written"), file=path, field="data_dir")
-    if _stamp(info) != tuple(stamps[info.base_name]):
-      raise DatasetError(_rebuild_hint(f"{info.base_name} changed since the index was written "
-                                       f"(size, mtime now {_stamp(info)}, indexed "
-                                       f"{tuple(stamps[info.base_name])})"),
-                         file=path, field="data_dir")
+  _check_files(path, [(fs.join(data_dir, i.base_name), by_name[i.base_name],
+                       identity.of_listing(i)) for i in listed], "parquet")
   if len(listed) != len(names):
     gone = sorted(set(names) - {i.base_name for i in listed})
     raise DatasetError(_rebuild_hint(f"indexed files are gone: {gone[:3]}"), file=path,
                        field="data_dir")
-  return {fs.join(data_dir, name): ParquetFileFacts(columns[i], rows[i])
+  return {fs.join(data_dir, name): ParquetFileFacts(columns[i], rows[i], identities[i])
           for i, name in enumerate(names)}
+
+
+def indexed_checksums(path: str, kind: str) -> dict[str, str]:
+  """{file path: content checksum (`Identity.checksum`)} as the index of a parquet folder
+  or a JSONL file records them; {} when there is no index. For a saved state's manifest:
+  the build has checked the index against the files already."""
+  try:
+    if kind == "parquet":
+      names, identities, _, _ = _load_parquet_index(fs.join(path, PARQUET_INDEX))
+      return {fs.join(path, n): i.checksum() for n, i in zip(names, identities) if i.checksum()}
+    meta_path = _jsonl_paths(path)[0]
+    ident = _jsonl_identity(json.loads(fs.read_bytes(meta_path)), meta_path)
+  except FileNotFoundError:
+    return {}
+  return {path: ident.checksum()} if ident.checksum() else {}
+
+
+def _check_files(index_path: str, files, kind: str) -> None:
+  """Refuses, naming it, a file (path, indexed, listed now) that is not the one indexed;
+  a file the listing cannot tell (a copy's new time on local disk) is checked by its probe,
+  and one warning per index says so and how to check them whole."""
+  probed = []
+  for path, indexed, now in files:
+    same, why = identity.compare(indexed, now)
+    if same is None:
+      probed.append(path)
+      same = identity.probe(path, kind) == indexed.probe
+      why = "same size, but its " + ("footer" if kind == "parquet" else "first or last MiB") + (
+          " differs from the indexed file's")
+    if not same:
+      raise DatasetError(_rebuild_hint(f"{os.path.basename(path)} changed since the index was "
+                                       f"written ({why})"),
+                         file=index_path, field="data_dir" if kind == "parquet" else "jsonl_path")
+  if probed and index_path not in _warned:
+    _warned.add(index_path)
+    log.warning("%s: %d file(s) have other times than the index recorded (copied?), e.g. %s; "
+                "checked by their %s only. `bagel-grain index CONFIG --verify` checks their "
+                "whole content once and records their times.", index_path, len(probed),
+                probed[0], "footers" if kind == "parquet" else "first and last MiB")
 
 
 def read_parquet_info(path: str) -> dict[str, int]:
@@ -322,11 +386,11 @@ def block_checksums(data: bytes) -> list[int]:
   return [zlib.crc32(view[i:i + CHECK_BLOCK]) for i in range(0, len(data), CHECK_BLOCK)]
 
 
-def jsonl_index_files(path: str, stamp: tuple[int, int], starts: np.ndarray,
+def jsonl_index_files(path: str, ident: identity.Identity, starts: np.ndarray,
                       shuffle_seeds: Sequence[int] = ()) -> dict[str, bytes]:
-  """{sidecar path: content} for the JSONL file `path` of (size, mtime_ns) `stamp` whose
-  line boundaries are `starts`: line offsets, one shuffle per seed, and the stamp with
-  each file's checksums (written last, by `write_jsonl_files`)."""
+  """{sidecar path: content} for the JSONL file `path` of identity `ident`
+  (`identity.indexed`) whose line boundaries are `starts`: line offsets, one shuffle per
+  seed, and the identity with each file's checksums (written last, by `write_jsonl_files`)."""
   meta_path, lines_path = _jsonl_paths(path)
   files = {lines_path: _npy_bytes(starts.astype(np.int64))}
   seeds = sorted({int(s) for s in shuffle_seeds})
@@ -335,9 +399,8 @@ def jsonl_index_files(path: str, stamp: tuple[int, int], starts: np.ndarray,
     files[shuffle_path(path, seed)] = _npy_bytes(
         order.astype(np.int32 if len(order) < 2**31 else np.int64))
   checksums = {_checksum_key(path, p): block_checksums(data) for p, data in files.items()}
-  size, mtime = stamp
   files[meta_path] = json.dumps({
-      "format": _JSONL_FORMAT, "size": size, "mtime_ns": mtime, "lines": len(starts) - 1,
+      "format": _JSONL_FORMAT, **dataclasses.asdict(ident), "lines": len(starts) - 1,
       "shuffle_seeds": seeds, "check_block": CHECK_BLOCK, "crc32": checksums}).encode()
   return files
 
@@ -358,9 +421,9 @@ def write_jsonl_files(files: dict[str, bytes]) -> list[str]:
 def write_jsonl_index(path: str, shuffle_seeds: Sequence[int] = (),
                       progress: Callable | None = None) -> list[str]:
   """Scans the file once; writes its line offsets, its shuffles and, last, its stamp."""
-  stamp = _stamp(fs.file_info(path))
+  ident = identity.indexed(path, identity.of_listing(fs.file_info(path)), "jsonl")
   starts = scan_line_starts(path, progress)
-  return write_jsonl_files(jsonl_index_files(path, stamp, starts, shuffle_seeds))
+  return write_jsonl_files(jsonl_index_files(path, ident, starts, shuffle_seeds))
 
 
 class NpyRange:
@@ -440,23 +503,22 @@ class LineIndex:
       return
     except (OSError, ValueError) as e:
       raise DatasetError(_rebuild_hint(f"unreadable sidecar index: {e}"), file=meta_path) from None
-    now = _stamp(fs.file_info(path))
     if isinstance(meta, dict) and meta.get("format") in _OLD_FORMATS:
       raise DatasetError(_OUTDATED, file=meta_path)
     if (not isinstance(meta, dict) or meta.get("format") != _JSONL_FORMAT
         or meta.get("check_block") != CHECK_BLOCK or not isinstance(meta.get("crc32"), dict)):
       raise DatasetError(_rebuild_hint("not a bagel-grain JSONL index"), file=meta_path)
     self._crc32 = meta["crc32"]
-    if (meta.get("size"), meta.get("mtime_ns")) != now:
-      raise DatasetError(_rebuild_hint(
-          f"the JSONL file changed since the index was written (size, mtime now {now}, "
-          f"indexed {(meta.get('size'), meta.get('mtime_ns'))})"), file=meta_path,
-                         field="jsonl_path")
+    self.identity = _jsonl_identity(meta, meta_path)
+    _check_files(meta_path, [(path, self.identity, identity.of_listing(fs.file_info(path)))],
+                 "jsonl")
     self._lines = NpyRange(lines_path, self._checksums(lines_path))
     self.count = int(meta["lines"])
     if self._lines.size != self.count + 1:
       raise DatasetError(_rebuild_hint("line offsets do not match the line count"),
                          file=lines_path)
+
+  identity: identity.Identity | None = None  # what the index recorded; None after a scan
 
   def _checksums(self, sidecar_path: str) -> list[int]:
     """The block checksums the manifest holds for one of its files; refused when none."""
@@ -514,6 +576,13 @@ class LineIndex:
       self._lines.close()
 
 
+def _jsonl_identity(meta: dict, meta_path: str) -> identity.Identity:
+  try:
+    return identity.Identity(**{f.name: meta[f.name] for f in dataclasses.fields(identity.Identity)})
+  except (KeyError, TypeError):
+    raise DatasetError(_rebuild_hint("not a bagel-grain JSONL index"), file=meta_path) from None
+
+
 # -- a whole config ----------------------------------------------------------------
 
 
@@ -545,8 +614,8 @@ def index_config(cfg, progress_factory: Callable) -> list[str]:
   parquet_dirs, jsonl_seeds = index_targets(cfg)
   written = []
   for data_dir in parquet_dirs:
-    bar = progress_factory(len(fs.list_file_infos(data_dir, ".parquet")), "file",
-                           f"footers of {data_dir}")
+    bar = progress_factory(sum(i.size for i in fs.list_file_infos(data_dir, ".parquet")), "B",
+                           f"checksums and footers of {data_dir}")
     try:
       written.append(write_parquet_index(data_dir, bar.update))
     finally:
@@ -558,3 +627,55 @@ def index_config(cfg, progress_factory: Callable) -> list[str]:
     finally:
       bar.close()
   return written
+
+
+def verify_config(cfg, progress_factory: Callable) -> list[str]:
+  """`bagel-grain index CONFIG --verify`: every indexed file whose listing cannot tell it
+  from the file indexed (a local copy's new time, an S3 ETag of other parts) is read
+  whole and its checksums compared with the index's; the index then records its time
+  and ETag, so later builds trust it without reading. A file that differs is refused
+  naming it; nothing is rewritten then. Returns the index files rewritten."""
+  parquet_dirs, jsonl_seeds = index_targets(cfg)
+  rewritten = []
+  for data_dir in parquet_dirs:
+    path = fs.join(data_dir, PARQUET_INDEX)
+    names, identities, columns, rows = _load_parquet_index(path)
+    listed = dict(list_parquet_files(data_dir))
+    if sorted(listed) != sorted(names):
+      raise DatasetError(_rebuild_hint("the folder's files are not the ones indexed"),
+                         file=path, field="data_dir")
+    updated = _verify_files(path, [(fs.join(data_dir, n), i, listed[n])
+                                   for n, i in zip(names, identities)], progress_factory)
+    if updated != identities:
+      fs.write_bytes(path, parquet_index_bytes(
+          list(zip(names, updated)), [ParquetFileFacts(c, r) for c, r in zip(columns, rows)]))
+      rewritten.append(path)
+  for jsonl in jsonl_seeds:
+    meta_path = _jsonl_paths(jsonl)[0]
+    meta = json.loads(fs.read_bytes(meta_path))
+    indexed = _jsonl_identity(meta, meta_path)
+    (updated,) = _verify_files(meta_path, [(jsonl, indexed, identity.of_listing(
+        fs.file_info(jsonl)))], progress_factory)
+    if updated != indexed:
+      fs.write_bytes(meta_path, json.dumps({**meta, **dataclasses.asdict(updated)}).encode())
+      rewritten.append(meta_path)
+  return rewritten
+
+
+def _verify_files(index_path: str, files, progress_factory: Callable) -> list[identity.Identity]:
+  """The identities an index records after `verify_config` read the files (path, indexed,
+  listed now) that need it."""
+  unsure = [f for f in files if identity.compare(f[1], f[2])[0] is not True]
+  bar = progress_factory(sum(f[2].size for f in unsure), "B", f"content of {index_path}")
+  out = {}
+  try:
+    for path, indexed, now in unsure:
+      same, updated = identity.verified(indexed, now, identity.content(path, bar.update))
+      if not same:
+        raise DatasetError(_rebuild_hint(f"{os.path.basename(path)} changed since the index "
+                                         "was written (its content's checksums differ)"),
+                           file=index_path)
+      out[path] = updated
+  finally:
+    bar.close()
+  return [out.get(path, indexed) for path, indexed, _ in files]

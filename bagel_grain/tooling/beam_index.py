@@ -22,7 +22,7 @@ from typing import Sequence
 import apache_beam as beam
 
 from bagel_grain import fs
-from bagel_grain.sources import sidecar
+from bagel_grain.sources import identity, sidecar
 from bagel_grain.tooling import beam_runner
 
 DEFAULT_SPLIT_BYTES = 64 << 20  # a JSONL byte range per work item
@@ -30,55 +30,55 @@ FILES_PER_TASK = 64  # parquet footers per work item
 
 
 def folder_files(folder: str, files_per_task: int):
-  """folder -> (folder, [(name, size, mtime)]) per run of its parquet files: the stamps
-  its index keeps, taken by one listing."""
+  """folder -> (folder, [(name, identity as listed)]) per run of its parquet files, from
+  one listing."""
   files = sidecar.list_parquet_files(folder)
   for start in range(0, len(files), files_per_task):
     yield folder, files[start:start + files_per_task]
 
 
-def footer_facts(item: tuple[str, list[tuple[str, int, int]]]):
-  """(folder, files) -> (folder, (name, size, mtime, facts)) per file; the footers of a
-  run are read on `sidecar.FOOTER_THREADS` threads (an object store's latency overlaps)."""
+def footer_facts(item):
+  """(folder, files) -> (folder, (name, identity, facts)) per file; a run's files are read
+  on `sidecar.FOOTER_THREADS` threads (an object store's latency overlaps)."""
   folder, files = item
   with concurrent.futures.ThreadPoolExecutor(sidecar.FOOTER_THREADS) as pool:
-    metas = pool.map(sidecar.read_footer, [fs.join(folder, f[0]) for f in files])
-    for (name, size, mtime), meta in zip(files, metas):
-      yield folder, (name, size, mtime, sidecar.ParquetFileFacts.of_footer(meta))
+    done = pool.map(lambda f: sidecar.indexed_parquet_file(fs.join(folder, f[0]), f[1]), files)
+    for (name, _), (ident, facts) in zip(files, done):
+      yield folder, (name, ident, facts)
 
 
 def write_folder_index(item) -> str:
-  """(folder, [(name, size, mtime, facts)]) -> the index written, files by name."""
+  """(folder, [(name, identity, facts)]) -> the index written, files by name."""
   folder, files = item
   files = sorted(files, key=lambda f: f[0])
   path = fs.join(folder, sidecar.PARQUET_INDEX)
-  fs.write_bytes(path, sidecar.parquet_index_bytes([f[:3] for f in files],
-                                                   [f[3] for f in files]))
+  fs.write_bytes(path, sidecar.parquet_index_bytes([f[:2] for f in files],
+                                                   [f[2] for f in files]))
   return path
 
 
 def jsonl_ranges(item: tuple[str, Sequence[int]], split_bytes: int):
-  """(path, seeds) -> its byte ranges, each with the file's stamp (taken before any scan)."""
+  """(path, seeds) -> its byte ranges, each with the file's identity (its checksums read
+  before any scan, in this step: a file's MD5 is one sequential pass)."""
   path, seeds = item
-  info = fs.file_info(path)
-  size, mtime = int(info.size), int(info.mtime_ns or 0)
-  for start in range(0, max(size, 1), split_bytes):
-    yield path, (size, mtime), tuple(seeds), start, min(start + split_bytes, size)
+  ident = identity.indexed(path, identity.of_listing(fs.file_info(path)), "jsonl")
+  for start in range(0, max(ident.size, 1), split_bytes):
+    yield path, ident, tuple(seeds), start, min(start + split_bytes, ident.size)
 
 
 def range_line_ends(item):
-  path, stamp, seeds, start, stop = item
-  return path, (stamp, seeds, start, sidecar.line_ends(path, start, stop))
+  path, ident, seeds, start, stop = item
+  return path, (ident, seeds, start, sidecar.line_ends(path, start, stop))
 
 
 def write_jsonl_index(item) -> list[str]:
-  """(path, [(stamp, seeds, start, line ends)]) -> the index files written."""
+  """(path, [(identity, seeds, start, line ends)]) -> the index files written."""
   path, pieces = item
   pieces = sorted(pieces, key=lambda p: p[2])
-  stamp, seeds = pieces[0][0], pieces[0][1]
-  starts = sidecar.line_starts_from_ends([p[3] for p in pieces], stamp[0])
+  ident, seeds = pieces[0][0], pieces[0][1]
+  starts = sidecar.line_starts_from_ends([p[3] for p in pieces], ident.size)
   del pieces
-  return sidecar.write_jsonl_files(sidecar.jsonl_index_files(path, stamp, starts, seeds))
+  return sidecar.write_jsonl_files(sidecar.jsonl_index_files(path, ident, starts, seeds))
 
 
 def build(pipeline, cfg, *, split_bytes: int = DEFAULT_SPLIT_BYTES):

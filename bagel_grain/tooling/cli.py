@@ -24,14 +24,14 @@ def _make_sample_data(args) -> int:
   start = time.perf_counter()
   out = make_sample_data(args.dir)
   # The sidecar index, as a user would write it once per corpus: the demo's builds then
-  # read no footer. Written here, not by `make_sample_data`: the tests copy that data to
-  # buckets, where new modification times would make an index stale.
-  index_config(load_shipped("demo", out), _NoProgress)
+  # read no footer. Written here, not by `make_sample_data`, whose data the tests use
+  # unindexed (the scans and footers a build reads without an index).
+  index_config(load_shipped("demo", out), NoProgress)
   print(f"wrote demo data and its sidecar index to {out} in {time.perf_counter() - start:.1f} s")
   return 0
 
 
-class _NoProgress:
+class NoProgress:
   """A progress bar that shows nothing (tqdm's interface, for `index_config`)."""
 
   def __init__(self, *args):
@@ -167,10 +167,21 @@ def _index(args) -> int:
   from tqdm import tqdm
 
   from bagel_grain.config import load_config
-  from bagel_grain.sources.sidecar import index_config
+  from bagel_grain.sources.sidecar import index_config, verify_config
 
   start = time.perf_counter()
   cfg = load_config(args.config)
+
+  def bar(total, unit, desc):
+    return tqdm(total=total, unit=unit, unit_scale=unit == "B", desc=desc, file=sys.stderr)
+
+  if args.verify:
+    rewritten = verify_config(cfg, bar)
+    for path in rewritten:
+      print(f"verified the files of {path}; it records their times now")
+    print(f"verified in {time.perf_counter() - start:.1f} s"
+          + ("" if rewritten else ": every file was known by its listing already"))
+    return 0
   if args.runner:
     from bagel_grain.tooling import beam_runner
     beam_runner.beam()
@@ -178,8 +189,7 @@ def _index(args) -> int:
     written = beam_index.run_index(cfg, args.runner, args.beam_args,
                                    split_bytes=args.split_bytes)
   else:
-    written = index_config(cfg, lambda total, unit, desc: tqdm(
-        total=total, unit=unit, unit_scale=unit == "B", desc=desc, file=sys.stderr))
+    written = index_config(cfg, bar)
   for path in written:
     print(f"wrote {path}")
   print(f"indexed in {time.perf_counter() - start:.1f} s")
@@ -420,6 +430,10 @@ def build_parser() -> argparse.ArgumentParser:
   p = command("index", _index, "write the sidecar index of a config's data, once per corpus: "
               "builds then read no footer and scan no JSONL file")
   p.add_argument("config", help="the config whose parquet folders and JSONL files to index")
+  p.add_argument("--verify", action="store_true",
+                 help="do not index: read the indexed files a listing cannot vouch for (a "
+                 "local copy's new times) and check their content against the index; the "
+                 "index then records their times")
   _add_runner_options(p)
   p.add_argument("--split-bytes", type=_at_least(1), default=64 << 20,
                  help="with --runner: bytes of a JSONL file per work item (a huge file is "

@@ -54,6 +54,7 @@ from bagel_grain.workers.process import GUARD_HINT, Worker, WorkerError, recv, s
 _MIN_START_TIMEOUT_S = 120.0  # importing the main script on a busy host can take that long
 JOBS_PER_WORKER = 4  # handed out ahead, so a worker never idles between results
 INLINE_AHEAD = 1  # without workers: next elements of a group computed while the packer packs
+INLINE_READ_AHEAD = 8  # with workers: untaken elements whose reads the inline thread starts
 _POLL_S = 1.0
 
 
@@ -95,10 +96,12 @@ class Fetcher:
     self._workers: list[Worker] = []
     self._failure: str | None = None
     self._closed = False
+    self._abandoned = threading.Event()  # set at close: the inline thread's reads stop retrying
     self._cond = threading.Condition()
     self._inline_queue: collections.deque[tuple[int, int]] = collections.deque()
     self._inline_key: tuple[int, int] | None = None
     self._inline_since = 0.0
+    self._read_ahead_started = False  # see _untaken
     # Elements computed in this process, and the CPU seconds they took (for reports).
     self.inline_elements, self.inline_cpu_s = 0, 0.0
     self._pump: threading.Thread | None = None
@@ -233,11 +236,14 @@ class Fetcher:
           self._cond.wait()
         key = None if self._closed else self._inline_queue.popleft()
         self._inline_key, self._inline_since = key, time.monotonic()
+        upcoming = {} if key is None or self._pump is None else self._untaken(key)
       if key is None:  # an element computed ahead may have read ahead after `close` stopped it
         close_read_ahead(self._datasets)
         return
+      for group, indices in upcoming.items():
+        readahead.read_ahead_of(self._datasets[group], indices)
       cpu_s = time.thread_time()
-      with storage.element_scope() as spent:
+      with storage.element_scope(self._abandoned) as spent:
         try:
           value = self._datasets[key[0]][key[1]]
         except BaseException as e:  # pylint: disable=broad-except  # re-raised by the caller
@@ -249,6 +255,19 @@ class Fetcher:
         self._inline_key = None
         self._done[key] = value
         self._cond.notify_all()
+
+  def _untaken(self, key: tuple[int, int]) -> dict[int, list[int]]:
+    """With workers, per group, the elements the inline thread is likely to compute next,
+    whose reads it starts before computing `key`, as a worker reads ahead its own (the
+    first batch waits on these): at its first element, every group's first ones (no
+    worker is up yet); then those of `key`'s group that no worker has taken (caller
+    holds the lock)."""
+    if not self._read_ahead_started:
+      self._read_ahead_started = True
+      return {g: [i for i in range(INLINE_READ_AHEAD) if (g, i) != key and i < len(d)]
+              for g, d in enumerate(self._datasets)}
+    return {key[0]: [i for g, i in self._pending if g == key[0] and i > key[1]]
+            [:INLINE_READ_AHEAD]}
 
   # -- the pump thread ---------------------------------------------------------
 
@@ -406,6 +425,7 @@ class Fetcher:
       if self._closed:
         return
       self._closed = True
+      self._abandoned.set()
       self._cond.notify_all()
     if self._pump is not None:
       self._wake.send_bytes(b"")

@@ -1,10 +1,12 @@
 """`bagel-grain index --runner`: the same sidecar bytes as the loader venv's in-process index."""
 
+import dataclasses
+
 import numpy as np
 
 from bagel_grain import fs
 from bagel_grain.config import load_config
-from bagel_grain.sources import sidecar
+from bagel_grain.sources import identity, sidecar
 from bagel_grain.tooling import beam_index
 from beam_helpers import MULTI, beam_cli, demo_copy
 
@@ -73,9 +75,12 @@ def test_remote_data_is_indexed_in_its_bucket(demo_dir, tmp_path, monkeypatch):
 
 
 def _with_stamps_of(local, remote) -> bytes:
-  """The local folder's index, with the bucket's sizes and times (the objects' own)."""
-  files = [(i.base_name, int(i.size), int(i.mtime_ns or 0))
-           for i in fs.list_file_infos(remote, ".parquet")]
+  """The local folder's index as written in the bucket: each file known by what the
+  bucket's listing reports (size, time, ETag: nothing read) and its probe."""
+  files = []
+  for info in fs.list_file_infos(remote, ".parquet"):
+    probe = identity.probe(str(local / info.base_name), "parquet")
+    files.append((info.base_name, dataclasses.replace(identity.of_listing(info), probe=probe)))
   facts = [sidecar.ParquetFileFacts.of_footer(sidecar.read_footer(str(local / f[0])))
            for f in files]
   return sidecar.parquet_index_bytes(files, facts)

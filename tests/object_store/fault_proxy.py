@@ -11,7 +11,17 @@ is active for that request:
 - `stall`: the request is held unanswered until the fault ends, then the
   connection is cut (a server that stops answering);
 - `503`: answered `503 Slow Down` (S3's `SlowDown` throttling code in the body),
-  connection kept.
+  connection kept;
+- `slow`: the answer's body trickles out at 3 bytes a second;
+- `short`: the answer claims 1000 bytes more than its body, sends the body, then
+  stays silent (the connection held open);
+- `huge`: answered at once with a claim of 10^12 bytes and an endless body of
+  zeros, the server not asked; `endless` the same with no length at all;
+- `redirect`: answered `307` to the same target on another host (127.0.0.2, the
+  proxy's `capture` listener, which records every request it receives);
+- `loop_list`: a listing page whose continuation token is always the same;
+- `many_keys`: a listing of 1,000,000 keys in pages of 1000 (S3 XML or GCS JSON),
+  made up by the proxy.
 
 Otherwise it behaves as an endpoint that keeps connections alive, whatever the
 server behind it does (moto's and the emulator's servers close each connection
@@ -56,7 +66,8 @@ class Fault:
 
   def __init__(self, kind: str, *, seconds: float | None = None, count: int | None = None,
                match: str = ""):
-    if kind not in ("refuse", "reset", "stall", "503"):
+    if kind not in ("refuse", "reset", "stall", "503", "slow", "short", "huge", "endless",
+                    "redirect", "loop_list", "many_keys"):
       raise ValueError(f"unknown fault {kind!r}")
     self.kind, self.match = kind, match
     self.until = None if seconds is None else time.monotonic() + seconds
@@ -90,6 +101,23 @@ class FaultProxy:
     self.port = self._listener.getsockname()[1]
     self._thread = threading.Thread(target=self._accept, name="fault-proxy", daemon=True)
     self._thread.start()
+    self.captured: list[str] = []  # request heads the `redirect` target received
+    self._capture = _capture_listener()
+    threading.Thread(target=self._run_capture, name="capture", daemon=True).start()
+
+  def _run_capture(self) -> None:
+    """The other host of a `redirect`: records each request head, answers 200."""
+    while not self._closed.is_set():
+      try:
+        conn, _ = self._capture.accept()
+      except OSError:
+        return
+      with conn:
+        request = _read_message(conn.makefile("rb"), request=True)
+        if request is not None:
+          with self._lock:
+            self.captured.append(request[0].decode("latin-1"))
+          conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\nConnection: close\r\n\r\nok")
 
   # -- commands ---------------------------------------------------------------
 
@@ -169,18 +197,50 @@ class FaultProxy:
           client.sendall(b"HTTP/1.1 503 Slow Down\r\nContent-Type: application/xml\r\n"
                          b"Content-Length: %d\r\n\r\n%s" % (len(_SLOW_DOWN), _SLOW_DOWN))
           continue
+        if fault in ("huge", "endless"):
+          self._send_endless(client, method, fault)
+          return
+        if fault == "redirect":
+          host, port = self._capture.getsockname()[:2]
+          location = f"http://{host}:{port}{target}".encode()
+          client.sendall(b"HTTP/1.1 307 Temporary Redirect\r\nLocation: %s\r\n"
+                         b"Content-Length: 0\r\n\r\n" % location)
+          continue
+        if fault == "many_keys":
+          page = _made_up_listing(target)
+          client.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n%s" % (len(page), page))
+          continue
         if self._delay_s:
           time.sleep(self._delay_s)
         if upstream is None:
           upstream = socket.create_connection(self._target)
           upstream.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
           upstream_reader = upstream.makefile("rb")
+        if fault == "loop_list":  # the server is asked for the first page again
+          head = head.replace(b"continuation-token=again&", b"").replace(b"&pageToken=again", b"")
         upstream.sendall(head + body)
         answer = _read_message(upstream_reader, request=False, method=method)
         if answer is None:
           return
         answer_head, answer_body, keep_alive, _ = answer
+        if fault == "loop_list":
+          answer_body = _looping(answer_body)
+          answer_head = _with_length(answer_head, len(answer_body))
         answer_head = _kept_alive(answer_head, len(answer_body))
+        if fault == "slow":
+          client.sendall(answer_head)
+          for i in range(0, len(answer_body), 3):
+            if self._closed.is_set():
+              return
+            client.sendall(answer_body[i:i + 3])
+            time.sleep(1.0)
+          continue
+        if fault == "short":
+          client.sendall(_with_length(answer_head, len(answer_body) + 1000) + answer_body)
+          while not self._closed.is_set() and self._fault_active("short", target):
+            time.sleep(0.05)
+          _reset(client)
+          return
         if fault == "reset":
           client.sendall(answer_head + answer_body[:len(answer_body) // 2])
           _reset(client)
@@ -200,6 +260,16 @@ class FaultProxy:
       with self._lock:
         self._open.discard(client)
 
+  def _send_endless(self, client: socket.socket, method: str, fault: str) -> None:
+    """A 200 claiming 10^12 bytes (`huge`) or no length (`endless`), zeros until cut."""
+    length = b"Content-Length: 1000000000000\r\n" if fault == "huge" else b"Connection: close\r\n"
+    client.sendall(b"HTTP/1.1 200 OK\r\n" + length + b"\r\n")
+    zeros = bytes(_CHUNK)
+    while method != "HEAD" and not self._closed.is_set():
+      client.sendall(zeros)  # raises once the client has gone
+      with self._lock:
+        self.counts["endless_bytes"] += len(zeros)
+
   def _fault_active(self, kind: str, target: str) -> bool:
     with self._lock:
       return any(f.kind == kind and f.active() and f.match in urllib.parse.unquote(target)
@@ -213,6 +283,7 @@ class FaultProxy:
 
   def close(self) -> None:
     self._closed.set()
+    self._capture.close()
     self._cut_all()
     self._thread.join(timeout=2)
     self._listener.close()
@@ -228,6 +299,58 @@ def _kept_alive(head: bytes, body_length: int) -> bytes:
              for line in kept):
     kept.append(b"Content-Length: %d" % body_length)
   return b"\r\n".join([status, *kept]) + b"\r\n\r\n"
+
+
+def _with_length(head: bytes, length: int) -> bytes:
+  lines = [line for line in head.split(b"\r\n") if line
+           and not line.lower().startswith((b"content-length:", b"transfer-encoding:"))]
+  return b"\r\n".join([*lines, b"Content-Length: %d" % length]) + b"\r\n\r\n"
+
+
+def _looping(body: bytes) -> bytes:
+  """A listing page that says more follows, always with the same token."""
+  if body.lstrip().startswith(b"{"):  # GCS JSON
+    page = json.loads(body)
+    page["nextPageToken"] = "again"
+    return json.dumps(page).encode()
+  body = body.replace(b"<IsTruncated>false</IsTruncated>", b"<IsTruncated>true</IsTruncated>")
+  return body.replace(b"</ListBucketResult>",
+                      b"<NextContinuationToken>again</NextContinuationToken></ListBucketResult>")
+
+
+MANY_KEYS, KEYS_PER_PAGE = 1_000_000, 1000
+
+
+def _made_up_listing(target: str) -> bytes:
+  """One page of a listing of MANY_KEYS keys under the request's prefix."""
+  query = urllib.parse.parse_qs(urllib.parse.urlsplit(target).query)
+  prefix = query.get("prefix", [""])[0]
+  token = query.get("continuation-token", query.get("pageToken", ["0"]))[0]
+  first = int(token)
+  last = min(MANY_KEYS, first + KEYS_PER_PAGE)
+  names = [f"{prefix}frame_{i:07d}.jpg" for i in range(first, last)]
+  more = str(last) if last < MANY_KEYS else None
+  if "list-type" in query:  # S3
+    items = "".join(f"<Contents><Key>{n}</Key><Size>100</Size><ETag>\"e\"</ETag>"
+                    "<LastModified>2026-01-01T00:00:00.000Z</LastModified></Contents>"
+                    for n in names)
+    tail = (f"<IsTruncated>true</IsTruncated><NextContinuationToken>{more}"
+            "</NextContinuationToken>" if more else "<IsTruncated>false</IsTruncated>")
+    return ("<?xml version=\"1.0\" encoding=\"UTF-8\"?><ListBucketResult xmlns=\"http://s3."
+            f"amazonaws.com/doc/2006-03-01/\">{items}{tail}</ListBucketResult>").encode()
+  page = {"items": [{"name": n, "size": "100", "generation": "1"} for n in names]}
+  if more:
+    page["nextPageToken"] = more
+  return json.dumps(page).encode()
+
+
+def _capture_listener() -> socket.socket:
+  """A listener on another host than the proxy's: 127.0.0.2 (Linux routes 127/8 to the
+  loopback), else `localhost` by name."""
+  try:
+    return socket.create_server(("127.0.0.2", 0))
+  except OSError:
+    return socket.create_server(("localhost", 0))
 
 
 def _reset(sock: socket.socket) -> None:
@@ -302,6 +425,9 @@ def _command(proxy: FaultProxy, line: str) -> dict[str, Any]:
   elif action == "targets":
     with proxy._lock:  # pylint: disable=protected-access
       return dict(proxy.targets)
+  elif action == "captured":
+    with proxy._lock:  # pylint: disable=protected-access
+      return {"heads": list(proxy.captured)}
   elif action != "counts":
     raise ValueError(f"unknown action {action!r}")
   with proxy._lock:  # pylint: disable=protected-access

@@ -171,6 +171,10 @@ class FaultProxy:
   def counts(self) -> dict[str, int]:
     return self._child.ask({"action": "counts"})["counts"]
 
+  def captured(self) -> list[str]:
+    """The request heads that the other host of a `redirect` fault received."""
+    return self._child.ask({"action": "captured"})["counts"]["heads"]
+
   def targets(self) -> dict[str, int]:
     """Requests so far by "METHOD target" (the target URL-decoded)."""
     return self._child.ask({"action": "targets"})["counts"]
