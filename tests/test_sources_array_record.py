@@ -1,6 +1,7 @@
 """ArrayRecord files as a record source: record counts from footers, damaged records dropped."""
 
 import pickle
+import time
 
 import numpy as np
 import pytest
@@ -132,6 +133,10 @@ def test_a_huge_record_is_read_ahead_alone(tmp_path):
   try:
     ra = ReadAheadRecords(Gated(), files_of=lambda r: [], read_file=None, ahead=ahead, depth=5)
     ra[0]
+    deadline = time.monotonic() + 30  # the read-ahead thread starts record 1 when it runs
+    while len(started) < 2 and time.monotonic() < deadline:
+      time.sleep(0.01)
+    time.sleep(0.2)  # time enough for record 2 to start, were it admitted beside record 1
     assert started == [0, 1]  # record 2 (3 MiB) waits until record 1 is taken
     gate.set()
     for i in range(1, len(sizes)):
