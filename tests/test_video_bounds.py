@@ -1,0 +1,127 @@
+"""Video files whose headers or packets promise far more work than their bytes: each is refused
+by a bound checked before FFmpeg or the demuxer spends it (issue 27, video rows)."""
+
+import io
+import os
+import resource
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+
+from bagel_grain.drops import Drop, DropReason
+from bagel_grain.families import video
+from bagel_grain.families.video import FrameSamplerArgs
+from hostile_videos import (many_packets_mkv, many_streams_mkv, mjpeg_avi_growing_frame,
+                            mp4_claiming_samples)
+from video_files import VideoSpec, write_video
+
+MIDDLE = FrameSamplerArgs(8, 8, "middle")
+
+
+def reason(source, **bounds) -> DropReason | None:
+  try:
+    video.read_video_frames(source, MIDDLE, np.random.default_rng(0), **bounds)
+  except Drop as e:
+    return e.reason
+  return None
+
+
+class CountingFile(io.BytesIO):
+  """A file that counts the bytes read from it."""
+
+  read_bytes = 0
+
+  def read(self, n=-1):
+    data = super().read(n)
+    self.read_bytes += len(data)
+    return data
+
+
+def test_a_stream_of_many_tiny_packets_is_refused_once_its_index_is_full(tmp_path):
+  """20,000 packets, 64 frames allowed: the index stops at 16 x 64 packets, not at the end."""
+  path = many_packets_mkv(tmp_path / "packets.mkv", 20_000)
+  f = CountingFile(path.read_bytes())
+  assert reason(f, max_frames=64) == DropReason.TOO_MANY_VIDEO_FRAMES
+  assert f.read_bytes < path.stat().st_size / 4
+  # The same file under a bound that holds it is indexed whole.
+  assert len(video.probe_video(str(path), max_frames=20_000 // 16 + 1)) == 20_000
+
+
+def test_packets_of_other_streams_count_too(tmp_path):
+  """A stream beside the video cannot hide an unbounded number of packets."""
+  path = tmp_path / "two.mkv"
+  from hostile_videos import _mjpeg_frame, _mux_mjpeg  # pylint: disable=import-outside-toplevel
+  frame = _mjpeg_frame()
+  _mux_mjpeg(path, "matroska", [[frame] * 8, [frame] + [b"\x00"] * 5000])
+  assert reason(str(path), max_frames=16) == DropReason.TOO_MANY_VIDEO_FRAMES
+  assert reason(str(path), max_frames=128) is None  # 5008 < 4 x 16 x 128
+
+
+def test_an_mp4_claiming_millions_of_samples_is_refused_before_ffmpeg_opens_it(tmp_path,
+                                                                             monkeypatch):
+  source = write_video(tmp_path, VideoSpec("src.mp4", size=(64, 48), frames=24))
+  lie = mp4_claiming_samples(source, tmp_path / "claims.mp4", 85_000_000)
+  assert lie.stat().st_size == source.stat().st_size  # the claim costs no bytes
+
+  def never(*args, **kwargs):
+    raise AssertionError("FFmpeg opened a file whose header claims 85M samples")
+
+  monkeypatch.setattr(video, "_open", never)
+  assert reason(str(lie)) == DropReason.TOO_MANY_VIDEO_FRAMES
+  assert reason(io.BytesIO(lie.read_bytes())) == DropReason.TOO_MANY_VIDEO_FRAMES
+  monkeypatch.undo()
+  # The claim is checked against the bound: the real file passes, a smaller lie too
+  # (it is then FFmpeg's: a claim its packets do not fill is unreadable).
+  assert reason(str(source)) is None
+  small = mp4_claiming_samples(source, tmp_path / "small.mp4", 1000)
+  assert reason(str(small)) == DropReason.VIDEO_UNREADABLE
+
+
+def test_sample_tables_larger_than_their_box_are_unreadable(tmp_path, monkeypatch):
+  source = write_video(tmp_path, VideoSpec("src.mp4", size=(64, 48), frames=24))
+  data = bytearray(source.read_bytes())
+  at = data.index(b"stco") + 4 + 4  # the chunk offsets' entry count
+  data[at:at + 4] = (10**6).to_bytes(4, "big")
+  monkeypatch.setattr(video, "_open", lambda *a, **k: pytest.fail("opened"))
+  assert reason(io.BytesIO(bytes(data))) == DropReason.VIDEO_UNREADABLE
+
+
+_UNDER_A_MEMORY_LIMIT = textwrap.dedent("""
+    import resource, sys
+    import numpy as np
+    from bagel_grain.drops import Drop
+    from bagel_grain.families import video
+    with open("/proc/self/status") as f:
+      vm = next(int(l.split()[1]) for l in f if l.startswith("VmSize")) * 1024
+    resource.setrlimit(resource.RLIMIT_AS, (vm + (128 << 20), resource.RLIM_INFINITY))
+    try:
+      video.read_video_frames(sys.argv[1], video.FrameSamplerArgs(8, 8, "middle"),
+                              np.random.default_rng(0))
+      print("kept")
+    except Drop as e:
+      print(e.reason.value)
+""")
+
+
+def test_an_mjpeg_frame_is_refused_by_its_jpeg_header_before_it_is_decoded(tmp_path):
+  """Header and frame 1 say 64x48; frame 2 is a real 16000x16000 JPEG (256M pixels, 3 MB).
+  Decoding it would take 256 MB; with 128 MB to spare the frame is still refused by size."""
+  path = mjpeg_avi_growing_frame(tmp_path / "grow.avi")
+  assert reason(str(path)) == DropReason.TOO_MANY_PIXELS
+  env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+  out = subprocess.run([sys.executable, "-c", _UNDER_A_MEMORY_LIMIT, str(path)], env=env,
+                       capture_output=True, text=True, timeout=300, check=True)
+  assert out.stdout.split()[-1] == "too_many_pixels", out.stderr[-2000:]
+  assert resource.getrlimit(resource.RLIMIT_AS)[0] == resource.RLIM_INFINITY  # ours untouched
+
+
+def test_a_container_of_many_streams_is_refused_before_they_are_probed(tmp_path):
+  """A record needs one video stream; 1,000 (941 KB) are refused, 16 are read."""
+  assert reason(str(many_streams_mkv(tmp_path / "many.mkv", 1000))) == \
+      DropReason.VIDEO_UNREADABLE
+  assert reason(str(many_streams_mkv(tmp_path / "17.mkv", video.MAX_STREAMS + 1))) == \
+      DropReason.VIDEO_UNREADABLE
+  assert reason(str(many_streams_mkv(tmp_path / "16.mkv", video.MAX_STREAMS))) is None
