@@ -12,13 +12,14 @@ from __future__ import annotations
 import contextlib
 import io
 import os
-from typing import IO, Any, Iterable, Protocol
+from typing import IO, Any, Iterable, Iterator, Protocol
 
 from bagel_grain import fs
 from bagel_grain.drops import Drop, DropReason, require
 from bagel_grain.families.base import is_text
 from bagel_grain.families.video import order_folder_entries
 from bagel_grain.images import DEFAULT_MAX_IMAGE_BYTES
+from bagel_grain.ranged_file import RangedFile
 from bagel_grain.sources.framing import LineWithFiles
 from bagel_grain.sources.readahead import ReadAhead
 from bagel_grain.storage import RetryPolicy, is_transient
@@ -156,7 +157,11 @@ class DiskFiles:
                 DropReason.PATH_OUTSIDE_DATA_DIR, f"frame {path} links out of its folder")
     return frames
 
-  def open_video(self, path: str, max_bytes: int) -> str:
+  def open_video(self, path: str, max_bytes: int) -> str | RangedFile:
+    """A local file's path (PyAV opens it), or an object as a `RangedFile`: its size
+    checked from the handle's open (one HEAD), its bytes read in ranges as PyAV asks."""
+    if fs.is_uri(path):
+      return self._open_object(path, max_bytes)
     try:  # only a regular file is opened: opening a FIFO would wait forever
       info = self.storage.call(path, lambda: fs.file_info(path))
     except OSError as e:
@@ -168,6 +173,35 @@ class DiskFiles:
     require(size <= max_bytes, DropReason.FILE_TOO_LARGE,
             f"{path}: {size} bytes > max_video_bytes = {max_bytes}")
     return path  # PyAV opens the path itself
+
+  def _open_object(self, path: str, max_bytes: int) -> RangedFile:
+    try:
+      handle = self.storage.call(path, lambda: fs.open_random_access(path))
+      size = handle.size()
+    except OSError as e:
+      raise _definite(e, path) from None
+    if size > max_bytes:
+      handle.close()
+      raise Drop(DropReason.FILE_TOO_LARGE, f"{path}: {size} bytes > max_video_bytes = {max_bytes}")
+
+    def read_range(offset: int, length: int) -> bytes:
+      try:
+        return self.storage.call(path, lambda: handle.read_at(length, offset))
+      except OSError as e:
+        raise _definite(e, path) from None
+
+    return RangedFile(path, size, read_range, close=handle.close)
+
+
+@contextlib.contextmanager
+def opened_video(files: FileStore, path: str, max_bytes: int) -> Iterator[str | IO[bytes]]:
+  """`files.open_video`, closed on exit when it is a file object (a path has nothing open)."""
+  source = files.open_video(path, max_bytes)
+  try:
+    yield source
+  finally:
+    if not isinstance(source, str):
+      source.close()
 
 
 def _sized(data: bytes) -> tuple[bytes, int]:

@@ -24,6 +24,7 @@ import numpy as np
 
 from bagel_grain.drops import Drop, DropReason, require
 from bagel_grain.families.video_headers import jpeg_size, mp4_claims
+from bagel_grain.ranged_file import RangedFile
 
 DEFAULT_MAX_VIDEO_BYTES = 1 << 30  # a larger video file is never opened
 # Frames decoded for one video sample, counting those decoded only to reach a wanted one.
@@ -414,6 +415,24 @@ class _OpenVideo:
     return [images[i] for i in positions]
 
 
+@contextlib.contextmanager
+def _failures_of(source: str | IO[bytes]) -> Iterator[None]:
+  """Raises the failure a file object met (a storage error, a drop for a vanished object)
+  in place of what FFmpeg made of it: PyAV takes an exception in `read` for the end of
+  the file, so what followed (a short index, a decoding error) is not the video's fault."""
+  if not isinstance(source, RangedFile):
+    yield
+    return
+  try:
+    yield
+  except BaseException:
+    if source.failure is not None:
+      raise source.failure from None
+    raise
+  if source.failure is not None:
+    raise source.failure
+
+
 def read_video_frames(source: str | IO[bytes], args: FrameSamplerArgs,
                       rng: np.random.Generator, *, max_frames: int = DEFAULT_MAX_VIDEO_FRAMES,
                       max_pixels: int = 89_478_485,
@@ -426,7 +445,7 @@ def read_video_frames(source: str | IO[bytes], args: FrameSamplerArgs,
   it repeats. Bounds, checked before decoding: at most `max_pixels` per frame, at most
   `max_frames` frames sampled or decoded.
   """
-  with _OpenVideo(source, max_pixels, max_frames) as video:
+  with _failures_of(source), _OpenVideo(source, max_pixels, max_frames) as video:
     t = draw_frame_count(args, rng)
     indices = frame_indices(t, len(video.index), args, rng, input_fps=video.index.fps,
                             max_frames=max_frames)
@@ -440,7 +459,7 @@ def decode_video_frames(source: str | IO[bytes], positions: Sequence[int], *,
                         max_frames: int = DEFAULT_MAX_VIDEO_FRAMES,
                         max_pixels: int = 89_478_485) -> list:
   """The frames at `positions` (presentation order) of a video file, as RGB PIL images."""
-  with _OpenVideo(source, max_pixels, max_frames) as video:
+  with _failures_of(source), _OpenVideo(source, max_pixels, max_frames) as video:
     require(all(0 <= p < len(video.index) for p in positions), DropReason.VIDEO_UNREADABLE,
             f"positions outside the {len(video.index)} frames")
     return video.decode(positions, max_frames)
@@ -449,5 +468,6 @@ def decode_video_frames(source: str | IO[bytes], positions: Sequence[int], *,
 def probe_video(source: str | IO[bytes], max_frames: int = DEFAULT_MAX_VIDEO_FRAMES
                 ) -> VideoIndex:
   """The index of a video file (its frames, keyframes and rate), or Drop(video_unreadable)."""
-  with _OpenVideo(source, max_pixels=2**62, max_frames=max_frames) as video:
+  with _failures_of(source), _OpenVideo(source, max_pixels=2**62,
+                                        max_frames=max_frames) as video:
     return video.index

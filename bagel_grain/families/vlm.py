@@ -16,7 +16,8 @@ from bagel_grain.errors import ConfigError
 from bagel_grain.families import video
 from bagel_grain.families.base import FamilyTransform, is_text
 from bagel_grain.families.family import Family, GroupOptions
-from bagel_grain.families.files import DiskFiles, EmbeddedFiles, FileStore, is_folder
+from bagel_grain.families.files import (DiskFiles, EmbeddedFiles, FileStore, is_folder,
+                                        opened_video)
 from bagel_grain.families.video import DEFAULT_MAX_VIDEO_BYTES, FrameSamplerArgs
 from bagel_grain.images import ImageTransform, image_size, resize_image, resize_size
 from bagel_grain.sample import PlanItem, Sample
@@ -148,9 +149,10 @@ class VLMTransform(FamilyTransform):
                                    self.frame_sampler, rng,
                                    max_frames=self.max_video_frames)
       return frames[:used(len(frames))], len(frames)
-    return video.read_video_frames(
-        files.open_video(path, self.max_video_bytes), self.frame_sampler, rng,
-        max_frames=self.max_video_frames, max_pixels=self.max_decode_pixels, take=used)
+    with opened_video(files, path, self.max_video_bytes) as source:
+      return video.read_video_frames(
+          source, self.frame_sampler, rng, max_frames=self.max_video_frames,
+          max_pixels=self.max_decode_pixels, take=used)
 
   def _frame_pixels(self, files: FileStore, frames: list, num_frames: int) -> list[np.ndarray]:
     pixels = []
@@ -320,7 +322,8 @@ class _Embedding:
           self.errors[name] = e.reason  # still an entry: it counts for the sampling
       return
     try:  # the size is checked before a byte is read, as when the family opens it
-      self.disk.open_video(path, self.max_video_bytes)
+      with opened_video(self.disk, path, self.max_video_bytes):
+        pass
     except Drop as e:
       if e.reason != DropReason.MISSING_FILE:  # else absent, as on disk
         self.errors[relative] = e.reason
