@@ -19,9 +19,12 @@ read: `video.read_video_frames` raises it in place of whatever FFmpeg concluded.
 from __future__ import annotations
 
 import collections
+import dataclasses
 import io
 import posixpath
 from typing import Callable
+
+from bagel_grain import fs
 
 BLOCK_BYTES = 256 << 10  # the unit of the buffer and of a ranged read
 MAX_BLOCKS = 16  # the buffer: 4 MiB per open video, at most
@@ -122,3 +125,20 @@ class RangedFile(io.RawIOBase):
     self._blocks.move_to_end(index)
     while len(self._blocks) > self._max_blocks:
       self._blocks.popitem(last=False)
+
+
+@dataclasses.dataclass(frozen=True)
+class VideoHead:
+  """A video object named to the read-ahead (`sources.readahead`): its size and first
+  `WHOLE_BYTES` are read ahead, so a small clip costs its consumer no request at all."""
+
+  path: str
+
+
+def read_head(path: str) -> tuple[tuple[int, bytes], int]:
+  """(object size, its first `WHOLE_BYTES` bytes), and the bytes held: one request to open
+  the object (its size), one ranged read. Tried once, as every read ahead."""
+  with fs.open_random_access(path) as handle:
+    size = handle.size()
+    head = handle.read_at(min(size, WHOLE_BYTES), 0)
+  return (size, head), len(head)

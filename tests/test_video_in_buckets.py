@@ -195,3 +195,31 @@ def test_video_rows_in_a_bucket_give_the_local_batches_bit_for_bit(bucket, worke
             [[k[3] for k in row] for row in here[key]]
       else:
         assert np.array_equal(remote[key], here[key]), key
+
+
+def test_read_ahead_reads_a_small_objects_head_so_its_sample_makes_no_request(
+    bucket, demo_dir, demo_tokenizer, monkeypatch):
+  """Each row's clip (all under 4 MiB) is read ahead, size and bytes: the sample itself
+  opens nothing and reads no range (one HEAD and one GET per clip, in a read-ahead thread)."""
+  from bagel_grain import ranged_file  # pylint: disable=import-outside-toplevel
+  from bagel_grain.families import files  # pylint: disable=import-outside-toplevel
+  store, root = bucket
+  _env(store, monkeypatch)
+  heads, consumer = collections.Counter(), collections.Counter()
+  read_head = ranged_file.read_head
+
+  def counted_head(path):
+    heads[path.rsplit("/", 1)[-1]] += 1
+    return read_head(path)
+
+  def counted_handle(self):
+    consumer[self.path.rsplit("/", 1)[-1]] += 1
+    raise AssertionError("the consumer opened an object read ahead")
+
+  monkeypatch.setattr(ranged_file, "read_head", counted_head)
+  monkeypatch.setattr(files._ObjectRanges, "_handle", counted_handle)  # pylint: disable=protected-access
+  _, drops = _epoch(_config(root, demo_dir), demo_tokenizer, 0)
+  assert not drops.get("vlm_sft") and not consumer
+  # Two rows name each clip: read once when both are ahead together, else once each.
+  assert heads.keys() == {spec.name for spec in SPECS} | {"clip.mp4"}
+  assert set(heads.values()) <= {1, 2}

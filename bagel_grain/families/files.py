@@ -175,22 +175,49 @@ class DiskFiles:
     return path  # PyAV opens the path itself
 
   def _open_object(self, path: str, max_bytes: int) -> RangedFile:
+    """The object's size and head from the read-ahead (no request when the head is the
+    whole clip), else from opening it (one request); its other bytes read in ranges."""
+    ranges = _ObjectRanges(path, self.storage)
+    head = self.ahead.take(("video", path)) if self.ahead is not None else None
     try:
-      handle = self.storage.call(path, lambda: fs.open_random_access(path))
-      size = handle.size()
+      size, data = head if head is not None else (ranges.size(), b"")
+      require(size <= max_bytes, DropReason.FILE_TOO_LARGE,
+              f"{path}: {size} bytes > max_video_bytes = {max_bytes}")
+    except BaseException:
+      ranges.close()
+      raise
+    return RangedFile(path, size, ranges.read, head=data, close=ranges.close)
+
+
+class _ObjectRanges:
+  """Ranged reads of one object through one handle, opened on first need, each read
+  retried under the storage policy; storage's definite answers become drops."""
+
+  def __init__(self, path: str, storage: RetryPolicy):
+    self.path, self.storage, self.handle = path, storage, None
+
+  def _handle(self):
+    if self.handle is None:
+      self.handle = self.storage.call(self.path, lambda: fs.open_random_access(self.path))
+    return self.handle
+
+  def size(self) -> int:
+    try:
+      return self._handle().size()
     except OSError as e:
-      raise _definite(e, path) from None
-    if size > max_bytes:
-      handle.close()
-      raise Drop(DropReason.FILE_TOO_LARGE, f"{path}: {size} bytes > max_video_bytes = {max_bytes}")
+      raise _definite(e, self.path) from None
 
-    def read_range(offset: int, length: int) -> bytes:
-      try:
-        return self.storage.call(path, lambda: handle.read_at(length, offset))
-      except OSError as e:
-        raise _definite(e, path) from None
+  def read(self, offset: int, length: int) -> bytes:
+    try:
+      handle = self._handle()
+      return self.storage.call(self.path, lambda: handle.read_at(length, offset))
+    except OSError as e:
+      raise _definite(e, self.path) from None
 
-    return RangedFile(path, size, read_range, close=handle.close)
+  def close(self) -> None:
+    if self.handle is not None:
+      self.handle.close()
+      self.handle = None
 
 
 @contextlib.contextmanager

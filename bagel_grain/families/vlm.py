@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any, Callable, Mapping
 
 import numpy as np
 
+from bagel_grain import fs
 from bagel_grain.config_values import check_keys, number
 from bagel_grain.drops import FILE_REASONS, IMAGE_REASONS, RECORD_REASONS, VIDEO_REASONS
 from bagel_grain.drops import Drop, DropReason, Note, require
@@ -20,6 +21,7 @@ from bagel_grain.families.files import (DiskFiles, EmbeddedFiles, FileStore, is_
                                         opened_video)
 from bagel_grain.families.video import DEFAULT_MAX_VIDEO_BYTES, FrameSamplerArgs
 from bagel_grain.images import ImageTransform, image_size, resize_image, resize_size
+from bagel_grain.ranged_file import VideoHead
 from bagel_grain.sample import PlanItem, Sample
 from bagel_grain.sources.framing import LineWithFiles
 from bagel_grain.sources.records import Record
@@ -120,24 +122,29 @@ class VLMTransform(FamilyTransform):
     return record.fields, DiskFiles(self.data_dirs[record.dataset], self.read_ahead,
                                     self.max_image_bytes)
 
-  def files_ahead(self, record: Record) -> list[str]:
+  def files_ahead(self, record: Record) -> list[str | VideoHead]:
     """The image files a line lists, or its frame folder (listed ahead; which frames are read
-    is drawn when parsed; a video file is read when parsed)."""
+    is drawn when parsed), or its video object's head (`ranged_file.VideoHead`; a local
+    video file is opened when parsed)."""
     if record.error is not None or isinstance(record.fields, LineWithFiles):
       return []
     try:
       row = parse_row(record.fields)
       video = row.get("video")
-      listed = (listed_images(row) if "image" in row
-                else [video] if isinstance(video, str) and is_folder(video) else [])
+      images = "image" in row
+      listed = listed_images(row) if images else [video] if isinstance(video, str) else []
     except Drop:
       return []
     disk, paths = DiskFiles(self.data_dirs[record.dataset]), []
     for relative in {p: None for p in listed if isinstance(p, str)}:  # each path once
       try:
-        paths.append(disk.locate(relative))
+        located = disk.locate(relative)
       except Drop:
-        pass  # refused again, and counted, when parsed
+        continue  # refused again, and counted, when parsed
+      if images or is_folder(located):
+        paths.append(located)
+      elif fs.is_uri(located):  # a video object: its size and first bytes
+        paths.append(VideoHead(located))
     return list(dict.fromkeys(paths))  # names of one file: read once
 
   def _video_frames(self, files: FileStore, path: str, rng: np.random.Generator,
