@@ -90,11 +90,14 @@ class DiskFiles:
       require(normalised != ".." and not normalised.startswith("../"),
               DropReason.PATH_OUTSIDE_DATA_DIR, relative)
       return path
-    root = os.path.realpath(self.data_dir)
     real = os.path.realpath(path)  # follows symlinks: a link out of data_dir is refused too
-    require(real == root or real.startswith(root + os.sep), DropReason.PATH_OUTSIDE_DATA_DIR,
-            relative)
+    require(self._inside(real), DropReason.PATH_OUTSIDE_DATA_DIR, relative)
     return real + (os.sep if is_folder(relative) else "")
+
+  def _inside(self, real: str) -> bool:
+    """Whether a resolved local path lies under data_dir (resolved too)."""
+    root = os.path.realpath(self.data_dir)
+    return real == root or real.startswith(root + os.sep)
 
   def read(self, path: str) -> bytes:
     """An image's or frame's bytes: only a regular file of at most `max_image_bytes`
@@ -150,11 +153,10 @@ class DiskFiles:
             f"video folder {folder} holds more than {bound} entries "
             f"({FOLDER_ENTRIES_PER_FRAME} x max_video_frames = {max_frames})")
     frames = order_folder_entries(listed)
-    if not fs.is_uri(folder):
-      root = os.path.realpath(folder)
+    if not fs.is_uri(folder):  # a frame may link to another folder of data_dir, not out of it
       for path in frames:
-        require(os.path.realpath(path).startswith(root + os.sep),
-                DropReason.PATH_OUTSIDE_DATA_DIR, f"frame {path} links out of its folder")
+        require(self._inside(os.path.realpath(path)), DropReason.PATH_OUTSIDE_DATA_DIR,
+                f"frame {path} links out of data_dir {self.data_dir}")
     return frames
 
   def open_video(self, path: str, max_bytes: int) -> str | RangedFile:
