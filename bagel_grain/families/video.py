@@ -356,8 +356,8 @@ def check_claims(source: str | IO[bytes], max_frames: int) -> None:
   for track in tracks:
     bound = max_packets(max_frames) * (1 if track.handler == b"vide" else 4)
     if track.samples > bound:
-      raise _too_many_packets(f"a {track.handler.decode(errors='replace')} track's sample "
-                              "tables claim", track.samples, bound)
+      kind = {b"vide": "video", b"soun": "audio"}.get(track.handler, "non-video")
+      raise _too_many_packets(f"the MP4 header's {kind} track claims", track.samples, bound)
 
 
 class _OpenVideo:
