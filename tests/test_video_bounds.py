@@ -125,3 +125,46 @@ def test_a_container_of_many_streams_is_refused_before_they_are_probed(tmp_path)
   assert reason(str(many_streams_mkv(tmp_path / "17.mkv", video.MAX_STREAMS + 1))) == \
       DropReason.VIDEO_UNREADABLE
   assert reason(str(many_streams_mkv(tmp_path / "16.mkv", video.MAX_STREAMS))) is None
+
+
+def test_hostile_videos_are_dropped_with_two_workers_within_a_short_element_timeout(
+    tmp_path, demo_dir, demo_tokenizer):
+  """The four files of issue 27 beside the demo's video rows, 2 workers, element_timeout_s 5:
+  the epoch ends, every good row packed once, each hostile one dropped under its reason."""
+  import json  # pylint: disable=import-outside-toplevel
+  import shutil  # pylint: disable=import-outside-toplevel
+  from bagel_grain.config import config_from_dict  # pylint: disable=import-outside-toplevel
+  from bagel_grain.pipeline import build_pipeline, pipeline_stats  # pylint: disable=import-outside-toplevel
+  from conftest import CONFIGS  # pylint: disable=import-outside-toplevel
+  from shipped_demo import shipped_demo_raw  # pylint: disable=import-outside-toplevel
+  root = tmp_path / "video"
+  shutil.copytree(demo_dir / "video", root)
+  clips = root / "clips"
+  source = write_video(tmp_path, VideoSpec("src.mp4", size=(64, 48), frames=24))
+  hostile = {many_packets_mkv(clips / "packets.mkv", 1_000_000).name: "too_many_video_frames",
+             mp4_claiming_samples(source, clips / "claims.mp4", 85_000_000).name:
+                 "too_many_video_frames",
+             mjpeg_avi_growing_frame(clips / "grows.avi").name: "too_many_pixels",
+             many_streams_mkv(clips / "streams.mkv", 1000).name: "video_unreadable"}
+  turns = [{"from": "human", "value": "<video>\nWhat?"}, {"from": "gpt", "value": "!"}]
+  with open(root / "video.jsonl", "a", encoding="utf-8") as f:
+    for name in hostile:
+      f.write(json.dumps({"video": f"clips/{name}", "conversations": turns}) + "\n")
+  raw = shipped_demo_raw(demo_dir)
+  raw["grouped_datasets"] = {"vlm_sft": {**raw["grouped_datasets"]["vlm_sft"],
+                                         "dataset_names": ["demo_video"]}}
+  raw["dataset_info"] = {"vlm_sft": {"demo_video": {"data_dir": str(root),
+                                                    "jsonl_path": str(root / "video.jsonl")}}}
+  raw.update(num_epochs=1, element_timeout_s=5)
+  cfg = config_from_dict(raw, file="hostile-videos.yaml", base_dir=str(CONFIGS))
+  it = iter(build_pipeline(cfg, demo_tokenizer, batch_size=2, workers=2))
+  try:
+    keys = [k[3] for batch in it for row in batch["sample_keys"] for k in row]
+    drops = pipeline_stats(it)["drops"]["vlm_sft"]
+  finally:
+    it.close()
+  assert sorted(keys) == [f"demo_video/video.jsonl:{n}" for n in range(1, 5)]
+  expected = {}
+  for reason_name in hostile.values():
+    expected[reason_name] = expected.get(reason_name, 0) + 1
+  assert {k: v for k, v in drops.items() if v} == expected
