@@ -14,7 +14,7 @@ import numpy as np
 from PIL import Image
 
 
-def _mjpeg_frame(size: tuple[int, int] = (64, 48)) -> bytes:
+def mjpeg_frame(size: tuple[int, int] = (64, 48)) -> bytes:
   """One JPEG (baseline, 4:2:0) of a flat frame, as the mjpeg encoder writes it."""
   codec = av.CodecContext.create("mjpeg", "w")
   codec.width, codec.height, codec.pix_fmt = *size, "yuvj420p"
@@ -24,7 +24,7 @@ def _mjpeg_frame(size: tuple[int, int] = (64, 48)) -> bytes:
   return bytes(packet)
 
 
-def _mux_mjpeg(path: Path, fmt: str, packets_per_stream: list[list[bytes]],
+def mux_mjpeg(path: Path, fmt: str, packets_per_stream: list[list[bytes]],
                size: tuple[int, int] = (64, 48)) -> Path:
   """A container of MJPEG streams holding the given packets (the first of each a keyframe),
   24 per second."""
@@ -47,14 +47,14 @@ def _mux_mjpeg(path: Path, fmt: str, packets_per_stream: list[list[bytes]],
 def many_packets_mkv(path: Path, packets: int) -> Path:
   """An MKV whose one video stream holds `packets` packets of one byte after a real frame
   (issue 27's 14 MB file holds 2M): demuxing it costs per packet, not per byte."""
-  first = _mjpeg_frame()
-  return _mux_mjpeg(path, "matroska", [[first] + [b"\x00"] * (packets - 1)])
+  first = mjpeg_frame()
+  return mux_mjpeg(path, "matroska", [[first] + [b"\x00"] * (packets - 1)])
 
 
 def many_streams_mkv(path: Path, streams: int) -> Path:
   """An MKV with `streams` video streams of one frame each (a record needs one)."""
-  frame = _mjpeg_frame()
-  return _mux_mjpeg(path, "matroska", [[frame] for _ in range(streams)])
+  frame = mjpeg_frame()
+  return mux_mjpeg(path, "matroska", [[frame] for _ in range(streams)])
 
 
 def flat_jpeg(size: tuple[int, int]) -> bytes:
@@ -75,8 +75,8 @@ def flat_jpeg(size: tuple[int, int]) -> bytes:
 def mjpeg_avi_growing_frame(path: Path, big: tuple[int, int] = (16000, 16000)) -> Path:
   """An AVI of 3 MJPEG frames: its header and frame 1 say 64x48, frame 2 is a real grey
   JPEG of `big` (16000x16000: 256M pixels, 3 MB of file)."""
-  frame = _mjpeg_frame()
-  return _mux_mjpeg(path, "avi", [[frame, flat_jpeg(big), frame]])
+  frame = mjpeg_frame()
+  return mux_mjpeg(path, "avi", [[frame, flat_jpeg(big), frame]])
 
 
 def _patch(data: bytearray, box: bytes, fields: dict[int, int]) -> None:

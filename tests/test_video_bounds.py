@@ -2,8 +2,10 @@
 by a bound checked before FFmpeg or the demuxer spends it (issue 27, video rows)."""
 
 import io
+import json
 import os
 import resource
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -11,11 +13,15 @@ import textwrap
 import numpy as np
 import pytest
 
+from bagel_grain.config import config_from_dict
 from bagel_grain.drops import Drop, DropReason
 from bagel_grain.families import video
 from bagel_grain.families.video import FrameSamplerArgs
+from bagel_grain.pipeline import build_pipeline, pipeline_stats
+from conftest import CONFIGS
 from hostile_videos import (many_packets_mkv, many_streams_mkv, mjpeg_avi_growing_frame,
-                            mp4_claiming_samples)
+                            mjpeg_frame, mp4_claiming_samples, mux_mjpeg)
+from shipped_demo import shipped_demo_raw
 from video_files import VideoSpec, write_video
 
 MIDDLE = FrameSamplerArgs(8, 8, "middle")
@@ -53,9 +59,8 @@ def test_a_stream_of_many_tiny_packets_is_refused_once_its_index_is_full(tmp_pat
 def test_packets_of_other_streams_count_too(tmp_path):
   """A stream beside the video cannot hide an unbounded number of packets."""
   path = tmp_path / "two.mkv"
-  from hostile_videos import _mjpeg_frame, _mux_mjpeg  # pylint: disable=import-outside-toplevel
-  frame = _mjpeg_frame()
-  _mux_mjpeg(path, "matroska", [[frame] * 8, [frame] + [b"\x00"] * 5000])
+  frame = mjpeg_frame()
+  mux_mjpeg(path, "matroska", [[frame] * 8, [frame] + [b"\x00"] * 5000])
   assert reason(str(path), max_frames=16) == DropReason.TOO_MANY_VIDEO_FRAMES
   assert reason(str(path), max_frames=128) is None  # 5008 < 4 x 16 x 128
 
@@ -106,7 +111,7 @@ _UNDER_A_MEMORY_LIMIT = textwrap.dedent("""
 """)
 
 
-def test_an_mjpeg_frame_is_refused_by_its_jpeg_header_before_it_is_decoded(tmp_path):
+def test_anmjpeg_frame_is_refused_by_its_jpeg_header_before_it_is_decoded(tmp_path):
   """Header and frame 1 say 64x48; frame 2 is a real 16000x16000 JPEG (256M pixels, 3 MB).
   Decoding it would take 256 MB; with 128 MB to spare the frame is still refused by size."""
   path = mjpeg_avi_growing_frame(tmp_path / "grow.avi")
@@ -131,12 +136,6 @@ def test_hostile_videos_are_dropped_with_two_workers_within_a_short_element_time
     tmp_path, demo_dir, demo_tokenizer):
   """The four files of issue 27 beside the demo's video rows, 2 workers, element_timeout_s 5:
   the epoch ends, every good row packed once, each hostile one dropped under its reason."""
-  import json  # pylint: disable=import-outside-toplevel
-  import shutil  # pylint: disable=import-outside-toplevel
-  from bagel_grain.config import config_from_dict  # pylint: disable=import-outside-toplevel
-  from bagel_grain.pipeline import build_pipeline, pipeline_stats  # pylint: disable=import-outside-toplevel
-  from conftest import CONFIGS  # pylint: disable=import-outside-toplevel
-  from shipped_demo import shipped_demo_raw  # pylint: disable=import-outside-toplevel
   root = tmp_path / "video"
   shutil.copytree(demo_dir / "video", root)
   clips = root / "clips"

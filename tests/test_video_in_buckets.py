@@ -8,11 +8,11 @@ import shutil
 import numpy as np
 import pytest
 
-from bagel_grain import fs
+from bagel_grain import ranged_file
 from bagel_grain.config import config_from_dict
 from bagel_grain.drops import Drop, DropReason
 from bagel_grain.errors import StorageUnavailableError
-from bagel_grain.families import video
+from bagel_grain.families import files, video
 from bagel_grain.families.files import DiskFiles, opened_video
 from bagel_grain.families.video import FrameSamplerArgs
 from bagel_grain.pipeline import build_pipeline, pipeline_stats
@@ -134,20 +134,20 @@ def _env(store, monkeypatch):
 def test_objects_open_as_ranged_files_with_the_bounds_of_the_disk(bucket, video_dir, monkeypatch):
   store, root = bucket
   _env(store, monkeypatch)
-  files = DiskFiles(root)
+  disk = DiskFiles(root)
   for spec in SPECS:
-    path = files.locate(f"clips/{spec.name}")
-    with opened_video(files, path, 1 << 30) as source:
+    path = disk.locate(f"clips/{spec.name}")
+    with opened_video(disk, path, 1 << 30) as source:
       assert isinstance(source, RangedFile)
       got = _frames(source, SAMPLERS[1], 0)
     local = _frames(str(video_dir / "clips" / spec.name), SAMPLERS[1], 0)
     assert got[1] == local[1] and all(np.array_equal(a, b) for a, b in zip(got[0], local[0]))
   size = (video_dir / "clips" / "short.mp4").stat().st_size
   with pytest.raises(Drop) as e:
-    files.open_video(files.locate("clips/short.mp4"), size - 1)
+    disk.open_video(disk.locate("clips/short.mp4"), size - 1)
   assert e.value.reason == DropReason.FILE_TOO_LARGE
   with pytest.raises(Drop) as e:
-    files.open_video(files.locate("clips/none.mp4"), size)
+    disk.open_video(disk.locate("clips/none.mp4"), size)
   assert e.value.reason == DropReason.MISSING_FILE
 
 
@@ -201,8 +201,6 @@ def test_read_ahead_reads_a_small_objects_head_so_its_sample_makes_no_request(
     bucket, demo_dir, demo_tokenizer, monkeypatch):
   """Each row's clip (all under 4 MiB) is read ahead, size and bytes: the sample itself
   opens nothing and reads no range (one HEAD and one GET per clip, in a read-ahead thread)."""
-  from bagel_grain import ranged_file  # pylint: disable=import-outside-toplevel
-  from bagel_grain.families import files  # pylint: disable=import-outside-toplevel
   store, root = bucket
   _env(store, monkeypatch)
   heads, consumer = collections.Counter(), collections.Counter()
@@ -217,7 +215,8 @@ def test_read_ahead_reads_a_small_objects_head_so_its_sample_makes_no_request(
     raise AssertionError("the consumer opened an object read ahead")
 
   monkeypatch.setattr(ranged_file, "read_head", counted_head)
-  monkeypatch.setattr(files._ObjectRanges, "_handle", counted_handle)  # pylint: disable=protected-access
+  monkeypatch.setattr(files._ObjectRanges, "_handle",  # pylint: disable=protected-access
+                      counted_handle)
   _, drops = _epoch(_config(root, demo_dir), demo_tokenizer, 0)
   assert not drops.get("vlm_sft") and not consumer
   # Two rows name each clip: read once when both are ahead together, else once each.
