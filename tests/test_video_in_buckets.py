@@ -222,3 +222,21 @@ def test_read_ahead_reads_a_small_objects_head_so_its_sample_makes_no_request(
   # Two rows name each clip: read once when both are ahead together, else once each.
   assert heads.keys() == {spec.name for spec in SPECS} | {"clip.mp4"}
   assert set(heads.values()) <= {1, 2}
+
+
+def test_an_object_failing_its_first_reads_is_waited_out_not_dropped(video_dir, monkeypatch):
+  """503s and reset connections on a video object's ranged reads are retried under the
+  storage policy: the frames are the local ones, nothing is dropped."""
+  with LocalObjectStore("s3") as store:
+    root = store.upload(str(video_dir), "video")
+    proxy = store.fault_proxy()
+    for name, value in store.environment(proxy.port).items():
+      monkeypatch.setenv(name, value)
+    disk = DiskFiles(root)
+    local = _frames(str(video_dir / "clips" / "long.mp4"), SAMPLERS[0], 0)
+    for kind in ("503", "reset"):
+      proxy.fault(kind, count=3, match="clips/long.mp4")
+      with opened_video(disk, disk.locate("clips/long.mp4"), 1 << 30) as source:
+        got = _frames(source, SAMPLERS[0], 0)
+      assert got[1] == local[1] and all(np.array_equal(a, b) for a, b in zip(got[0], local[0]))
+      assert proxy.counts()[f"fault_{kind}"] >= 3

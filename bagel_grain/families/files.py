@@ -212,9 +212,13 @@ class _ObjectRanges:
   def read(self, offset: int, length: int) -> bytes:
     try:
       handle = self._handle()
-      return self.storage.call(self.path, lambda: handle.read_at(length, offset))
+      data = self.storage.call(self.path, lambda: handle.read_at(length, offset))
     except OSError as e:
       raise _definite(e, self.path) from None
+    require(len(data) == length, DropReason.UNREADABLE_FILE,
+            f"{self.path}: {len(data)} bytes at {offset}, not {length}: the object changed "
+            "while it was read")
+    return data
 
   def close(self) -> None:
     if self.handle is not None:
