@@ -12,10 +12,12 @@ import textwrap
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from bagel_grain.config import config_from_dict
 from bagel_grain.drops import Drop, DropReason
-from bagel_grain.families import video
+from bagel_grain.families import video, video_headers
 from bagel_grain.families.video import FrameSamplerArgs
 from bagel_grain.pipeline import build_pipeline, pipeline_stats
 from conftest import CONFIGS
@@ -167,3 +169,29 @@ def test_hostile_videos_are_dropped_with_two_workers_within_a_short_element_time
   for reason_name in hostile.values():
     expected[reason_name] = expected.get(reason_name, 0) + 1
   assert {k: v for k, v in drops.items() if v} == expected
+
+
+@pytest.fixture(scope="module")
+def header_seeds(tmp_path_factory):
+  folder = tmp_path_factory.mktemp("seeds")
+  return (write_video(folder, VideoSpec("seed.mp4", size=(64, 48), frames=12)).read_bytes(),
+          mjpeg_frame())
+
+
+@settings(max_examples=300, deadline=None)
+@given(data=st.data())
+def test_mutated_headers_give_an_answer_or_a_drop(header_seeds, data):
+  """Our own header readers meet hostile bytes first: any mutation of a real MP4 or JPEG
+  gives claims, a size, None or a Drop, never another exception."""
+  mp4, jpeg = header_seeds
+  for seed in (mp4, jpeg):
+    out = bytearray(seed[:data.draw(st.integers(0, len(seed)))])
+    for _ in range(data.draw(st.integers(0, 8))):
+      if out:
+        out[data.draw(st.integers(0, len(out) - 1))] = data.draw(st.integers(0, 255))
+    try:
+      video_headers.mp4_claims(io.BytesIO(bytes(out)), len(out), 1000)
+    except Drop:
+      pass
+    video_headers.jpeg_size(bytes(out))
+    video_headers.jpeg_size(memoryview(bytes(out)))

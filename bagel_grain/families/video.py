@@ -195,10 +195,10 @@ def max_packets(max_frames: int) -> int:
   return PACKETS_PER_FRAME * max_frames
 
 
-def _too_many_packets(what: str, count: int, bound: int) -> Drop:
+def _too_many_packets(what: str, count: int, bound: int, max_frames: int) -> Drop:
   return Drop(DropReason.TOO_MANY_VIDEO_FRAMES,
-              f"{what} {count} packets, more than {PACKETS_PER_FRAME} x max_video_frames = "
-              f"{bound}; raise max_video_frames to read longer videos")
+              f"{what} {count} packets, over the bound of {bound} ({bound // max_frames} x "
+              f"max_video_frames = {max_frames}); raise max_video_frames to read longer videos")
 
 
 def index_stream(container, stream, max_frames: int = DEFAULT_MAX_VIDEO_FRAMES) -> VideoIndex:
@@ -210,11 +210,12 @@ def index_stream(container, stream, max_frames: int = DEFAULT_MAX_VIDEO_FRAMES) 
   for packet in container.demux():
     demuxed += 1
     if demuxed > 4 * bound:
-      raise _too_many_packets("the container holds more than", 4 * bound, 4 * bound)
+      raise _too_many_packets("the container holds more than", 4 * bound, 4 * bound,
+                              max_frames)
     if packet.stream_index != stream.index or (packet.size == 0 and packet.pts is None):
       continue  # another stream's, or PyAV's end-of-stream marker, not a frame
     if len(pts) == bound:
-      raise _too_many_packets("the video stream holds more than", bound, bound)
+      raise _too_many_packets("the video stream holds more than", bound, bound, max_frames)
     require(packet.pts is not None, DropReason.VIDEO_UNREADABLE,
             "a video packet has no timestamp; frames cannot be addressed")
     pts.append(packet.pts)
@@ -357,7 +358,8 @@ def check_claims(source: str | IO[bytes], max_frames: int) -> None:
     bound = max_packets(max_frames) * (1 if track.handler == b"vide" else 4)
     if track.samples > bound:
       kind = {b"vide": "video", b"soun": "audio"}.get(track.handler, "non-video")
-      raise _too_many_packets(f"the MP4 header's {kind} track claims", track.samples, bound)
+      raise _too_many_packets(f"the MP4 header's {kind} track claims", track.samples, bound,
+                              max_frames)
 
 
 class _OpenVideo:
