@@ -135,10 +135,16 @@ class VideoHead:
   path: str
 
 
+def open_object(path: str):
+  """A video object's handle: `size()`, `read_at(length, offset)` (one ranged GET each),
+  `close()`. The one place video reads enter the storage layer (`bagel_grain.fs`)."""
+  return fs.open_random_access(path)
+
+
 def read_head(path: str) -> tuple[tuple[int, bytes], int]:
   """(object size, its first `WHOLE_BYTES` bytes), and the bytes held: one request to open
   the object (its size), one ranged read. Tried once, as every read ahead."""
-  with fs.open_random_access(path) as handle:
+  with open_object(path) as handle:
     size = handle.size()
     head = handle.read_at(min(size, WHOLE_BYTES), 0)
   return (size, head), len(head)

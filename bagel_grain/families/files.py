@@ -19,7 +19,7 @@ from bagel_grain.drops import Drop, DropReason, require
 from bagel_grain.families.base import is_text
 from bagel_grain.families.video import order_folder_entries
 from bagel_grain.images import DEFAULT_MAX_IMAGE_BYTES
-from bagel_grain.ranged_file import RangedFile
+from bagel_grain.ranged_file import RangedFile, open_object
 from bagel_grain.sources.framing import LineWithFiles
 from bagel_grain.sources.readahead import ReadAhead
 from bagel_grain.storage import RetryPolicy, is_transient
@@ -200,7 +200,7 @@ class _ObjectRanges:
 
   def _handle(self):
     if self.handle is None:
-      self.handle = self.storage.call(self.path, lambda: fs.open_random_access(self.path))
+      self.handle = self.storage.call(self.path, lambda: open_object(self.path))
     return self.handle
 
   def size(self) -> int:
