@@ -64,7 +64,7 @@ def test_packets_of_other_streams_count_too(tmp_path):
   frame = mjpeg_frame()
   mux_mjpeg(path, "matroska", [[frame] * 8, [frame] + [b"\x00"] * 5000])
   assert reason(str(path), max_frames=16) == DropReason.TOO_MANY_VIDEO_FRAMES
-  assert reason(str(path), max_frames=128) is None  # 5008 < 4 x 16 x 128
+  assert reason(str(path), max_frames=256) is None  # 5008 < 2 x 16 x 256
 
 
 def test_an_mp4_claiming_millions_of_samples_is_refused_before_ffmpeg_opens_it(tmp_path,

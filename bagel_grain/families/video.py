@@ -39,8 +39,9 @@ MAX_STREAMS = 16
 # The packets a video stream may hold, per frame of `max_video_frames`: its index (every
 # packet's timestamp) is built before sampling, so its cost is bounded by this, not by the
 # file (16 x 4096 by default: 36 minutes at 30 fps). The packets of all streams together
-# may be 4 times as many (audio beside video).
+# may be `ALL_STREAMS` times as many (audio beside video: AAC at 48 kHz is 47 a second).
 PACKETS_PER_FRAME = 16
+ALL_STREAMS = 2
 # Upstream's frame number of a folder entry: the digits before `.jpg` (any character
 # before `jpg`, as upstream's pattern writes it); entries without one sort first, as -1.
 _FRAME_NUMBER = re.compile(r"_(\d+).jpg$")
@@ -203,15 +204,15 @@ def _too_many_packets(what: str, count: int, bound: int, max_frames: int) -> Dro
 
 def index_stream(container, stream, max_frames: int = DEFAULT_MAX_VIDEO_FRAMES) -> VideoIndex:
   """Demuxes (never decodes) the packets of `stream`, at most `max_packets(max_frames)` of
-  them (and 4 times that of all streams); drops a container whose headers claim another
+  them (and `ALL_STREAMS` times that of all streams); drops a container whose headers claim another
   frame count or a duration its packets do not fill."""
   pts, key_pts, last_duration = [], [], 0
   bound, demuxed = max_packets(max_frames), 0
   for packet in container.demux():
     demuxed += 1
-    if demuxed > 4 * bound:
-      raise _too_many_packets("the container holds more than", 4 * bound, 4 * bound,
-                              max_frames)
+    if demuxed > ALL_STREAMS * bound:
+      raise _too_many_packets("the container holds more than", ALL_STREAMS * bound,
+                              ALL_STREAMS * bound, max_frames)
     if packet.stream_index != stream.index or (packet.size == 0 and packet.pts is None):
       continue  # another stream's, or PyAV's end-of-stream marker, not a frame
     if len(pts) == bound:
@@ -347,7 +348,7 @@ def check_claims(source: str | IO[bytes], max_frames: int) -> None:
     f = stack.enter_context(open(source, "rb")) if isinstance(source, str) else source
     size = f.seek(0, io.SEEK_END)
     try:
-      tracks = mp4_claims(f, size, 4 * max_packets(max_frames))
+      tracks = mp4_claims(f, size, ALL_STREAMS * max_packets(max_frames))
     finally:
       f.seek(0)
   if tracks is None:
@@ -355,7 +356,7 @@ def check_claims(source: str | IO[bytes], max_frames: int) -> None:
   require(len(tracks) <= MAX_STREAMS, DropReason.VIDEO_UNREADABLE,
           f"the MP4 header holds {len(tracks)} tracks, more than {MAX_STREAMS}")
   for track in tracks:
-    bound = max_packets(max_frames) * (1 if track.handler == b"vide" else 4)
+    bound = max_packets(max_frames) * (1 if track.handler == b"vide" else ALL_STREAMS)
     if track.samples > bound:
       kind = {b"vide": "video", b"soun": "audio"}.get(track.handler, "non-video")
       raise _too_many_packets(f"the MP4 header's {kind} track claims", track.samples, bound,
