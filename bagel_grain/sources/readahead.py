@@ -362,9 +362,10 @@ class ReadAheadRecords(grain.MapDataset):
     folder's listing (which frames are read is drawn when the record is parsed)."""
     started = []
     for path in self._files_of(record):
-      if isinstance(path, ranged_file.VideoHead):  # a video object's size and first bytes
-        held = self.ahead.start(("video", path.path),
-                                lambda p=path.path: ranged_file.read_head(p))
+      if isinstance(path, ranged_file.VideoHead):  # a video object's size and first bytes,
+        held = self.ahead.start(("video", path.path),  # counted at their most
+                                lambda p=path.path: ranged_file.read_head(p),
+                                size=ranged_file.WHOLE_BYTES)
       elif path.endswith(("/", os.sep)):
         held = self.ahead.start(("list", path), lambda p=path: _listed(
             fs.list_files(p, max_entries=MAX_LIST_AHEAD)))
