@@ -106,3 +106,24 @@ def mp4_claiming_samples(source: Path, path: Path, claimed: int) -> Path:
 
 def as_file(path: Path) -> io.BytesIO:
   return io.BytesIO(path.read_bytes())
+
+
+def fragmented_mp4(path: Path, claimed: int | None = None) -> Path:
+  """A fragmented MP4 (an empty `moov`, a fragment per keyframe) of 48 frames; with
+  `claimed`, its first run (`trun`, whose samples take their fields from the defaults:
+  no bytes each) claims that many samples."""
+  from video_files import frame_pixels  # pylint: disable=import-outside-toplevel
+  with av.open(str(path), "w", format="mp4",
+               options={"movflags": "frag_keyframe+empty_moov", "fflags": "+bitexact"}) as out:
+    stream = out.add_stream("libx264", rate=24)
+    stream.width, stream.height, stream.pix_fmt = 64, 48, "yuv420p"
+    stream.options = {"g": "12", "bf": "0", "threads": "1"}
+    for i in range(48):
+      out.mux(stream.encode(av.VideoFrame.from_ndarray(frame_pixels(i, (64, 48)),
+                                                       format="rgb24")))
+    out.mux(stream.encode())
+  if claimed is not None:
+    data = bytearray(path.read_bytes())
+    _patch(data, b"trun", {4: claimed})  # after version/flags: the sample count
+    path.write_bytes(bytes(data))
+  return path

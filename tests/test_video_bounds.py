@@ -21,10 +21,11 @@ from bagel_grain.families import video, video_headers
 from bagel_grain.families.video import FrameSamplerArgs
 from bagel_grain.pipeline import build_pipeline, pipeline_stats
 from conftest import CONFIGS
-from hostile_videos import (many_packets_mkv, many_streams_mkv, mjpeg_avi_growing_frame,
-                            mjpeg_frame, mp4_claiming_samples, mux_mjpeg)
+from hostile_videos import (fragmented_mp4, many_packets_mkv, many_streams_mkv,
+                            mjpeg_avi_growing_frame, mjpeg_frame, mp4_claiming_samples,
+                            mux_mjpeg)
 from shipped_demo import shipped_demo_raw
-from video_files import VideoSpec, write_video
+from video_files import VideoSpec, decode_all, write_video
 
 MIDDLE = FrameSamplerArgs(8, 8, "middle")
 
@@ -195,3 +196,18 @@ def test_mutated_headers_give_an_answer_or_a_drop(header_seeds, data):
       pass
     video_headers.jpeg_size(bytes(out))
     video_headers.jpeg_size(memoryview(bytes(out)))
+
+
+def test_a_fragment_claiming_millions_of_samples_is_refused_before_ffmpeg_reads_it(
+    tmp_path, monkeypatch):
+  """A fragmented MP4's run holds its samples' fields in the defaults: 85M samples claimed
+  in 4 bytes; FFmpeg would make an index entry for each as it reached the fragment."""
+  good = fragmented_mp4(tmp_path / "fragments.mp4")
+  images, count = video.read_video_frames(str(good), MIDDLE, np.random.default_rng(0))
+  reference = decode_all(good)
+  assert count == 8 and len(reference) == 48
+  assert np.array_equal(np.asarray(images[0]), reference[video.frame_indices(
+      8, 48, MIDDLE, np.random.default_rng(0))[0]])
+  lie = fragmented_mp4(tmp_path / "lie.mp4", claimed=85_000_000)
+  monkeypatch.setattr(video, "_open", lambda *a, **k: pytest.fail("opened"))
+  assert reason(str(lie)) == DropReason.TOO_MANY_VIDEO_FRAMES

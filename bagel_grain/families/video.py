@@ -348,14 +348,17 @@ def check_claims(source: str | IO[bytes], max_frames: int) -> None:
     f = stack.enter_context(open(source, "rb")) if isinstance(source, str) else source
     size = f.seek(0, io.SEEK_END)
     try:
-      tracks = mp4_claims(f, size, ALL_STREAMS * max_packets(max_frames))
+      claims = mp4_claims(f, size, ALL_STREAMS * max_packets(max_frames))
     finally:
       f.seek(0)
-  if tracks is None:
+  if claims is None:
     return
-  require(len(tracks) <= MAX_STREAMS, DropReason.VIDEO_UNREADABLE,
-          f"the MP4 header holds {len(tracks)} tracks, more than {MAX_STREAMS}")
-  for track in tracks:
+  require(len(claims.tracks) <= MAX_STREAMS, DropReason.VIDEO_UNREADABLE,
+          f"the MP4 header holds {len(claims.tracks)} tracks, more than {MAX_STREAMS}")
+  if claims.fragment_samples > ALL_STREAMS * max_packets(max_frames):
+    raise _too_many_packets("the MP4 file's fragments claim", claims.fragment_samples,
+                            ALL_STREAMS * max_packets(max_frames), max_frames)
+  for track in claims.tracks:
     bound = max_packets(max_frames) * (1 if track.handler == b"vide" else ALL_STREAMS)
     if track.samples > bound:
       kind = {b"vide": "video", b"soun": "audio"}.get(track.handler, "non-video")

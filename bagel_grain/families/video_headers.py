@@ -1,8 +1,8 @@
 """What a video file's own headers claim, read by us before FFmpeg trusts them.
 
 FFmpeg's MP4 demuxer builds an index entry for every sample the `moov` box's tables
-claim while it opens the file: a 117 KB file claiming 85M samples costs gigabytes
-before the first packet. `mp4_claims` walks the boxes with a few small reads (never
+claim while it opens the file (and a fragmented file's `trun` boxes, as it reaches
+them): a 117 KB file claiming 85M samples costs gigabytes before the first packet. `mp4_claims` walks the boxes with a few small reads (never
 a table's entries) and gives each track's claimed sample count, so a claim over the
 bound is refused first. `jpeg_size` reads an MJPEG packet's frame size from its SOF
 header, so a frame is refused by its size before the decoder allocates it.
@@ -16,7 +16,7 @@ from typing import IO
 
 import numpy as np
 
-from bagel_grain.drops import DropReason, require
+from bagel_grain.drops import Drop, DropReason, require
 
 MAX_TOP_BOXES = 4096  # boxes before `moov`; an MP4 writer puts it among the first few
 MAX_MOOV_BOXES = 65536  # boxes inside `moov`: a few dozen per track
@@ -83,26 +83,73 @@ def _table_claim(f: IO[bytes], kind: bytes, payload: int, end: int, limit: int) 
   return int(np.frombuffer(data, ">u4")[0::2].sum(dtype=np.uint64))
 
 
-def mp4_claims(f: IO[bytes], size: int, limit: int) -> list[TrackClaims] | None:
-  """Each track's claims from an MP4/MOV file's `moov` (None: not an MP4, or no `moov`
-  among the first `MAX_TOP_BOXES` boxes, which FFmpeg then refuses or finds empty).
-  A claim is exact up to `limit` (a table is read whole only while that small)."""
+@dataclasses.dataclass(frozen=True)
+class Mp4Claims:
+  """What an MP4's header claims: each track's samples (`moov`), and for a fragmented file
+  (`mvex`) the samples its fragments' runs (`moof/traf/trun`) add, all tracks together."""
+
+  tracks: list[TrackClaims]
+  fragment_samples: int = 0
+
+
+def _top_boxes(f: IO[bytes], at: int, size: int, most: int):
+  """The top-level boxes from `at`, at most `most` of them (more is unreadable)."""
+  for _ in range(most):
+    box = _header(f, at, size)
+    if box is None:
+      return
+    yield box
+    at = box[2]
+  require(_header(f, at, size) is None, DropReason.VIDEO_UNREADABLE,
+          f"the MP4 file holds more than {most} top-level boxes")
+
+
+def _run_samples(f: IO[bytes], payload: int, end: int) -> int:
+  """Samples a fragment's run (`trun`) claims; its per-sample fields must fit in its box
+  (a run with none, all from defaults, claims its count in 4 bytes: hence the bound)."""
+  flags, count = _fields(f, payload, 2)
+  fields = bin(flags & 0xF00).count("1")  # duration, size, flags, composition offset
+  head = 8 + 4 * bin(flags & 0x5).count("1")  # data offset, first sample's flags
+  require(head + 4 * fields * count <= end - payload, DropReason.VIDEO_UNREADABLE,
+          f"an MP4 fragment's run claims {count} samples, more than its box holds")
+  return count
+
+
+def _fragment_samples(f: IO[bytes], box: tuple[bytes, int, int]) -> int:
+  total = 0
+  for kind, payload, end in _children(f, box):
+    if kind == b"traf":
+      total += sum(_run_samples(f, p, e) for k, p, e in _children(f, (kind, payload, end))
+                   if k == b"trun")
+  return total
+
+
+def _children(f: IO[bytes], box: tuple[bytes, int, int]):
+  _, at, end = box
+  for _ in range(MAX_MOOV_BOXES):
+    child = _header(f, at, end)
+    if child is None:
+      return
+    yield child
+    at = child[2]
+  raise Drop(DropReason.VIDEO_UNREADABLE, f"an MP4 box holds more than {MAX_MOOV_BOXES} boxes")
+
+
+def mp4_claims(f: IO[bytes], size: int, limit: int) -> Mp4Claims | None:
+  """What an MP4/MOV file's header claims (None: not an MP4, or no `moov` among the first
+  `MAX_TOP_BOXES` boxes, which FFmpeg then refuses or finds empty). A claim is exact up
+  to `limit` (a table is read whole only while that small); a fragmented file's boxes
+  are walked to its end (each fragment holds a sample: at most `limit` fragments), and
+  the walk stops once its runs claim more than `limit` samples."""
   f.seek(4)
   if f.read(4) not in (b"ftyp", b"moov", b"mdat", b"free", b"skip", b"wide", b"pnot"):
     return None
-  at, moov = 0, None
-  for _ in range(MAX_TOP_BOXES):
-    box = _header(f, at, size)
-    if box is None:
-      break
-    if box[0] == b"moov":
-      moov = box
-      break
-    at = box[2]
+  moov = next((box for box in _top_boxes(f, 0, size, MAX_TOP_BOXES) if box[0] == b"moov"),
+              None)
   if moov is None:
     return None
   tracks: list[TrackClaims] = []
-  todo, seen = [(moov, None)], 0
+  todo, seen, fragmented = [(moov, None)], 0, False
   while todo:
     (kind, payload, end), track = todo.pop()
     at = payload
@@ -111,6 +158,7 @@ def mp4_claims(f: IO[bytes], size: int, limit: int) -> list[TrackClaims] | None:
       require(seen <= MAX_MOOV_BOXES, DropReason.VIDEO_UNREADABLE,
               f"the MP4 header holds more than {MAX_MOOV_BOXES} boxes")
       child, child_payload, child_end = box
+      fragmented = fragmented or child == b"mvex"
       if child == b"trak":
         track = len(tracks)
         tracks.append(TrackClaims(b"", 0))
@@ -125,7 +173,14 @@ def mp4_claims(f: IO[bytes], size: int, limit: int) -> list[TrackClaims] | None:
           tracks[track] = dataclasses.replace(
               tracks[track], samples=max(tracks[track].samples, claim))
       at = child_end
-  return tracks
+  samples = 0
+  if fragmented:
+    for box in _top_boxes(f, moov[2], size, 2 * limit + MAX_TOP_BOXES):
+      if box[0] == b"moof":
+        samples += _fragment_samples(f, box)
+        if samples > limit:
+          break
+  return Mp4Claims(tracks, samples)
 
 
 def jpeg_size(data: bytes) -> tuple[int, int] | None:
