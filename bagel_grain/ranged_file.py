@@ -101,8 +101,8 @@ class RangedFile(io.RawIOBase):
     if index in self._blocks:
       self._blocks.move_to_end(index)
       return self._blocks[index]
-    if self._whole:
-      first, count = 0, -(-self.size // self._block)
+    if self._whole:  # from here to the end (the whole object, on the first read)
+      first, count = index, -(-self.size // self._block) - index
     else:  # a run that doubles while reads go forward (demuxing), one block after a seek
       self._run = min(2 * self._run, self._max_blocks // 2 or 1) if index == self._next else 1
       first, count = index, self._run

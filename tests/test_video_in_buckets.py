@@ -240,3 +240,21 @@ def test_an_object_failing_its_first_reads_is_waited_out_not_dropped(video_dir, 
         got = _frames(source, SAMPLERS[0], 0)
       assert got[1] == local[1] and all(np.array_equal(a, b) for a, b in zip(got[0], local[0]))
       assert proxy.counts()[f"fault_{kind}"] >= 3
+
+
+def test_a_ranged_file_serves_any_read_from_its_head_and_ranges():
+  """Reads anywhere, across blocks and past the end, give the object's bytes; a head
+  read ahead is served without a request."""
+  data = bytes(range(256)) * 400  # 102,400 bytes
+  for head, whole, blocks in ((b"", 0, 4), (data[:5000], 0, 4), (data[:4096 * 3], 1 << 20, 4),
+                              (b"", 1 << 20, 32), (data, 1 << 20, 32)):
+    ranged = RangedFile("x.bin", len(data), lambda o, n: data[o:o + n], head=head,
+                        block_bytes=4096, max_blocks=blocks, whole_bytes=whole)
+    for offset, n in ((0, 10), (4090, 20), (50_000, 9000), (102_390, 100), (200_000, 5),
+                      (len(head) - 1, 2), (0, -1)):
+      offset = max(0, offset)
+      ranged.seek(offset)
+      want = data[offset:] if n < 0 else data[offset:offset + n]
+      assert ranged.read(n) == want and ranged.tell() == offset + len(want)
+    if blocks == 32:  # the object fits the buffer: read whole once, or never (the head)
+      assert ranged.requests == (0 if head else 1)
