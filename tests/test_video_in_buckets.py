@@ -210,13 +210,12 @@ def test_read_ahead_reads_a_small_objects_head_so_its_sample_makes_no_request(
     heads[path.rsplit("/", 1)[-1]] += 1
     return read_head(path)
 
-  def counted_handle(self):
-    consumer[self.path.rsplit("/", 1)[-1]] += 1
+  def counted_open(path):
+    consumer[path.rsplit("/", 1)[-1]] += 1
     raise AssertionError("the consumer opened an object read ahead")
 
   monkeypatch.setattr(ranged_file, "read_head", counted_head)
-  monkeypatch.setattr(files._ObjectRanges, "_handle",  # pylint: disable=protected-access
-                      counted_handle)
+  monkeypatch.setattr(files, "open_object", counted_open)
   _, drops = _epoch(_config(root, demo_dir), demo_tokenizer, 0)
   assert not drops.get("vlm_sft") and not consumer
   # Two rows name each clip: read once when both are ahead together, else once each.
@@ -258,3 +257,18 @@ def test_a_ranged_file_serves_any_read_from_its_head_and_ranges():
       assert ranged.read(n) == want and ranged.tell() == offset + len(want)
     if blocks == 32:  # the object fits the buffer: read whole once, or never (the head)
       assert ranged.requests == (0 if head else 1)
+
+
+def test_an_object_replaced_mid_sample_is_unreadable_not_mixed(video_dir, monkeypatch):
+  """Ranges are pinned to the identity seen at open (S3: `If-Match` on the ETag): bytes of
+  another upload are never mixed into a sample; the change is `unreadable_file`. (GCS pins
+  the generation; the test emulator serves the newest whatever the generation asked.)"""
+  with LocalObjectStore("s3") as store:
+    root = store.upload(str(video_dir), "video")
+    _env(store, monkeypatch)
+    disk = DiskFiles(root)
+    with opened_video(disk, disk.locate("clips/short.mp4"), 1 << 30) as source:
+      store.upload_file(video_dir / "clips" / "vp9.webm", "video/clips/short.mp4")
+      with pytest.raises(Drop) as e:
+        _frames(source, SAMPLERS[0], 0)
+    assert e.value.reason == DropReason.UNREADABLE_FILE

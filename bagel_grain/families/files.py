@@ -19,7 +19,7 @@ from bagel_grain.drops import Drop, DropReason, require
 from bagel_grain.families.base import is_text
 from bagel_grain.families.video import order_folder_entries
 from bagel_grain.images import DEFAULT_MAX_IMAGE_BYTES
-from bagel_grain.ranged_file import RangedFile, open_object
+from bagel_grain.ranged_file import ObjectHandle, RangedFile, open_object
 from bagel_grain.sources.framing import LineWithFiles
 from bagel_grain.sources.readahead import ReadAhead
 from bagel_grain.storage import RetryPolicy, is_transient
@@ -179,10 +179,11 @@ class DiskFiles:
   def _open_object(self, path: str, max_bytes: int) -> RangedFile:
     """The object's size and head from the read-ahead (no request when the head is the
     whole clip), else from opening it (one request); its other bytes read in ranges."""
-    ranges = _ObjectRanges(path, self.storage)
     head = self.ahead.take(("video", path)) if self.ahead is not None else None
+    info, data = head if head is not None else (None, b"")
+    ranges = _ObjectRanges(path, self.storage, info)
     try:
-      size, data = head if head is not None else (ranges.size(), b"")
+      size = ranges.size()
       require(size <= max_bytes, DropReason.FILE_TOO_LARGE,
               f"{path}: {size} bytes > max_video_bytes = {max_bytes}")
     except BaseException:
@@ -192,13 +193,15 @@ class DiskFiles:
 
 
 class _ObjectRanges:
-  """Ranged reads of one object through one handle, opened on first need, each read
-  retried under the storage policy; storage's definite answers become drops."""
+  """Ranged reads of one object through one handle, opened on first need (or made from the
+  identity the read-ahead saw, so that the head and the ranges are of one content), each
+  read retried under the storage policy; storage's definite answers become drops."""
 
-  def __init__(self, path: str, storage: RetryPolicy):
-    self.path, self.storage, self.handle = path, storage, None
+  def __init__(self, path: str, storage: RetryPolicy, info: fs.FileInfo | None = None):
+    self.path, self.storage = path, storage
+    self.handle = None if info is None else ObjectHandle(path, info)
 
-  def _handle(self):
+  def _handle(self) -> ObjectHandle:
     if self.handle is None:
       self.handle = self.storage.call(self.path, lambda: open_object(self.path))
     return self.handle
@@ -213,6 +216,8 @@ class _ObjectRanges:
     try:
       handle = self._handle()
       data = self.storage.call(self.path, lambda: handle.read_at(length, offset))
+    except fs.ObjectChanged as e:
+      raise Drop(DropReason.UNREADABLE_FILE, f"{e}; it changed while a sample read it") from None
     except OSError as e:
       raise _definite(e, self.path) from None
     require(len(data) == length, DropReason.UNREADABLE_FILE,
