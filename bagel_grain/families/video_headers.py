@@ -16,7 +16,7 @@ from typing import IO
 
 import numpy as np
 
-from bagel_grain.drops import Drop, DropReason, require
+from bagel_grain.drops import DropReason, require
 
 MAX_TOP_BOXES = 4096  # boxes before `moov`; an MP4 writer puts it among the first few
 MAX_MOOV_BOXES = 65536  # boxes inside `moov`: a few dozen per track
@@ -92,16 +92,17 @@ class Mp4Claims:
   fragment_samples: int = 0
 
 
-def _top_boxes(f: IO[bytes], at: int, size: int, most: int):
-  """The top-level boxes from `at`, at most `most` of them (more is unreadable)."""
+def _boxes(f: IO[bytes], at: int, end: int, most: int):
+  """The boxes from `at` to `end` (a file's top level, or a box's children), at most
+  `most` of them: more is unreadable."""
   for _ in range(most):
-    box = _header(f, at, size)
+    box = _header(f, at, end)
     if box is None:
       return
     yield box
     at = box[2]
-  require(_header(f, at, size) is None, DropReason.VIDEO_UNREADABLE,
-          f"the MP4 file holds more than {most} top-level boxes")
+  require(_header(f, at, end) is None, DropReason.VIDEO_UNREADABLE,
+          f"an MP4 file or box holds more than {most} boxes")
 
 
 def _run_samples(f: IO[bytes], payload: int, end: int) -> int:
@@ -117,35 +118,23 @@ def _run_samples(f: IO[bytes], payload: int, end: int) -> int:
 
 def _fragment_samples(f: IO[bytes], box: tuple[bytes, int, int]) -> int:
   total = 0
-  for kind, payload, end in _children(f, box):
+  for kind, payload, end in _boxes(f, box[1], box[2], MAX_MOOV_BOXES):
     if kind == b"traf":
-      total += sum(_run_samples(f, p, e) for k, p, e in _children(f, (kind, payload, end))
+      total += sum(_run_samples(f, p, e) for k, p, e in _boxes(f, payload, end, MAX_MOOV_BOXES)
                    if k == b"trun")
   return total
 
 
-def _children(f: IO[bytes], box: tuple[bytes, int, int]):
-  _, at, end = box
-  for _ in range(MAX_MOOV_BOXES):
-    child = _header(f, at, end)
-    if child is None:
-      return
-    yield child
-    at = child[2]
-  raise Drop(DropReason.VIDEO_UNREADABLE, f"an MP4 box holds more than {MAX_MOOV_BOXES} boxes")
-
-
 def mp4_claims(f: IO[bytes], size: int, limit: int) -> Mp4Claims | None:
-  """What an MP4/MOV file's header claims (None: not an MP4, or no `moov` among the first
-  `MAX_TOP_BOXES` boxes, which FFmpeg then refuses or finds empty). A claim is exact up
+  """What an MP4/MOV file's header claims (None: not an MP4, or no `moov`, which FFmpeg
+  then refuses; more than `MAX_TOP_BOXES` boxes before it is unreadable). A claim is exact up
   to `limit` (a table is read whole only while that small); a fragmented file's boxes
   are walked to its end (each fragment holds a sample: at most `limit` fragments), and
   the walk stops once its runs claim more than `limit` samples."""
   f.seek(4)
   if f.read(4) not in (b"ftyp", b"moov", b"mdat", b"free", b"skip", b"wide", b"pnot"):
     return None
-  moov = next((box for box in _top_boxes(f, 0, size, MAX_TOP_BOXES) if box[0] == b"moov"),
-              None)
+  moov = next((box for box in _boxes(f, 0, size, MAX_TOP_BOXES) if box[0] == b"moov"), None)
   if moov is None:
     return None
   tracks: list[TrackClaims] = []
@@ -175,7 +164,7 @@ def mp4_claims(f: IO[bytes], size: int, limit: int) -> Mp4Claims | None:
       at = child_end
   samples = 0
   if fragmented:
-    for box in _top_boxes(f, moov[2], size, 2 * limit + MAX_TOP_BOXES):
+    for box in _boxes(f, moov[2], size, 2 * limit + MAX_TOP_BOXES):
       if box[0] == b"moof":
         samples += _fragment_samples(f, box)
         if samples > limit:
