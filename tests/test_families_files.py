@@ -71,6 +71,19 @@ def test_a_missing_or_escaping_frame_folder_is_dropped(data, tmp_path):
   assert reason(disk.list_frames, str(data / "clip") + "/") == DropReason.PATH_OUTSIDE_DATA_DIR
 
 
+def test_links_to_a_sibling_folder_inside_data_dir_are_followed(data):
+  """Issue 27: a frame linking to another folder of data_dir stays inside it."""
+  (data / "linked").mkdir()
+  for n in (1, 2):
+    (data / "linked" / f"frame_{n}.jpg").symlink_to(data / "clip" / f"frame_{n}.jpg")
+  (data / "sibling").symlink_to(data / "clip", target_is_directory=True)
+  disk = DiskFiles(str(data))
+  frames = disk.list_frames(disk.locate("linked/"))
+  assert [os.path.basename(f) for f in frames] == ["frame_1.jpg", "frame_2.jpg"]
+  assert disk.read(frames[0]) == (data / "clip" / "frame_1.jpg").read_bytes()
+  assert len(disk.list_frames(disk.locate("sibling/"))) == 10
+
+
 def test_embedded_files_answer_from_the_record_only():
   record = LineWithFiles(b"{}", {"a.png": b"png", "clip/frame_2.jpg": b"2",
                                  "clip/frame_10.jpg": b"10", "clip/sub/frame_1.jpg": b"x",

@@ -315,13 +315,15 @@ def _patched(data: bytes, box: bytes, offset: int, value) -> io.BytesIO:
 def test_containers_that_lie_are_dropped_not_decoded_without_end(videos, tmp_path):
   data = videos["h264_bframes.mp4"][0].read_bytes()
   # stts (time-to-sample) holds one entry: count 48 at offset 8, duration 512 at offset 12.
-  for lie in (_patched(data, b"stts", 8, lambda v: 10**9),  # claims 1e9 frames, holds 48
-              _patched(data, b"stts", 12, lambda v: v * 100_000),  # frames last 28 min each
-              _patched(data, b"stsz", 8, lambda v: 10**9)):  # 1e9 sizes in a table of 48
+  for lie, said in ((_patched(data, b"stts", 8, lambda v: 10**9),  # claims 1e9 frames
+                     DropReason.TOO_MANY_VIDEO_FRAMES),  # (refused from the header, unopened)
+                    (_patched(data, b"stts", 12, lambda v: v * 100_000),  # frames of 28 min
+                     DropReason.VIDEO_UNREADABLE),
+                    (_patched(data, b"stsz", 8, lambda v: 10**9),  # 1e9 sizes in a table of 48
+                     DropReason.VIDEO_UNREADABLE)):
     for args in (MIDDLE, FrameSamplerArgs(8, 8, "fps2")):
       lie.seek(0)
-      assert reason(video.read_video_frames, lie, args, np.random.default_rng(0)) == \
-          DropReason.VIDEO_UNREADABLE
+      assert reason(video.read_video_frames, lie, args, np.random.default_rng(0)) == said
   for junk in (data[: len(data) // 2], b"not a video", b""):
     assert reason(video.read_video_frames, io.BytesIO(junk), MIDDLE,
                   np.random.default_rng(0)) == DropReason.VIDEO_UNREADABLE

@@ -8,7 +8,9 @@ PNG of 9 Mpx, a T2I parquet file whose footer claims twice the rows it holds;
 and, built apart, one claiming 1e9 rows, which the build must refuse; codec inputs:
 an EPS file with a `gs` on PATH that records any call, a 1010-scan progressive
 JPEG, a VLM line naming a file 10,000 times, a parquet cell over
-`max_image_bytes`), then pulls batches for the given time. Every `--report-every`
+`max_image_bytes`; video files: an MKV of 2M tiny packets, an MP4 whose tables claim
+85M samples, an MJPEG AVI whose frame 2 is 16000x16000, an MKV of 1,000 streams), then
+pulls batches for the given time. Every `--report-every`
 seconds it prints the elapsed time, rows, the RSS of the main process and of
 each worker (MiB), and the packer's counters with whether they balance (drawn =
 packed + dropped + buffered + carried). At the end it prints a JSON summary with
@@ -127,6 +129,42 @@ def _codec_inputs(out: Path) -> dict[str, int]:
   return {"t2i_pretrain": 3, "vlm_sft": len(CODEC_LINES)}
 
 
+_VIDEO_FILES = """
+import sys
+from pathlib import Path
+sys.path.insert(0, sys.argv[2])
+from hostile_videos import (many_packets_mkv, many_streams_mkv, mjpeg_avi_growing_frame,
+                            mp4_claiming_samples)
+from video_files import VideoSpec, write_video
+out = Path(sys.argv[1])
+many_packets_mkv(out / "soak_packets.mkv", 2_000_000)
+source = write_video(out, VideoSpec("soak_source.mp4", size=(64, 48), frames=24))
+mp4_claiming_samples(source, out / "soak_claims.mp4", 85_000_000)
+mjpeg_avi_growing_frame(out / "soak_grows.avi")
+many_streams_mkv(out / "soak_streams.mkv", 1000)
+"""
+_VIDEO_TURNS = [{"from": "human", "value": "<video>"}, {"from": "gpt", "value": "?"}]
+VIDEO_LINES = tuple(  # VLM lines with hostile video files (issue 27), each once per epoch
+    json.dumps({"video": f"videos/{name}", "conversations": _VIDEO_TURNS})
+    for name in ("soak_packets.mkv",  # 2M one-byte packets, 14 MB: too_many_video_frames
+                 "soak_claims.mp4",  # sample tables claiming 85M samples: too_many_video_frames
+                 "soak_grows.avi",  # frame 2 of an MJPEG AVI is 16000x16000: too_many_pixels
+                 "soak_streams.mkv"))  # 1,000 video streams: video_unreadable
+
+
+def _video_inputs(out: Path) -> dict[str, int]:
+  """Hostile video files, each once per epoch (a low rate: the demo's epoch is ~70
+  lines): written by another process, from tests/hostile_videos.py. Returns the bad
+  records added per group."""
+  videos = out / "vlm" / "videos"
+  videos.mkdir(exist_ok=True)
+  subprocess.run([sys.executable, "-c", _VIDEO_FILES, str(videos), str(ROOT / "tests")],
+                 check=True)
+  with open(out / "vlm" / "sft.jsonl", "a", encoding="utf-8") as f:
+    f.write("\n".join(VIDEO_LINES) + "\n")
+  return {"vlm_sft": len(VIDEO_LINES)}
+
+
 def install_recording_gs(folder: Path) -> Path:
   """A `gs` first on PATH (for this process and the workers it starts) that records
   every call in the returned log: a record that starts a process shows up there."""
@@ -220,6 +258,8 @@ def corrupted_copy(demo: Path, out: Path, fraction: float, seed: int) -> dict[st
   injected["vlm_sft"] += len(HOSTILE_LINES) - 1  # the 16-bit image is a good record
   (out / "vlm" / "sft.jsonl").write_text("\n".join(lines) + "\n")
   for group, count in _codec_inputs(out).items():
+    injected[group] += count
+  for group, count in _video_inputs(out).items():
     injected[group] += count
   info = {"t2i_pretrain": {"demo_t2i": {"data_dir": "t2i"}},
           "unified_edit": {"demo_edit": {"data_dir": "edit"}},
@@ -319,6 +359,8 @@ def soak(args) -> dict:
     raw.update(dataset_info=str(tmp / "corrupted" / "dataset_info.yaml"),
                tokenizer_path=str(demo / "tokenizer"), num_epochs=None,
                max_image_bytes=MAX_IMAGE_BYTES)
+    if args.element_timeout_s is not None:  # --storage sets its own (the issue's 30 s)
+      raw["element_timeout_s"] = args.element_timeout_s
     with contextlib.ExitStack() as stack:
       rearm = None
       if args.storage:
@@ -460,6 +502,9 @@ def main(argv=None) -> int:
                       help="add the storage rows (a local S3 server behind a fault proxy)")
   parser.add_argument("--storage-every", type=float, default=120.0,
                       help="seconds between two arms of the slow object")
+  parser.add_argument("--element-timeout-s", type=float, default=None,
+                      help="the config's element_timeout_s (e.g. 5: no hostile record may "
+                           "hold an element that long)")
   args = parser.parse_args(argv)
   summary = soak(args)
   text = json.dumps(summary, indent=1)

@@ -12,13 +12,14 @@ from __future__ import annotations
 import contextlib
 import io
 import os
-from typing import IO, Any, Iterable, Protocol
+from typing import IO, Any, Iterable, Iterator, Protocol
 
 from bagel_grain import fs
 from bagel_grain.drops import Drop, DropReason, require
 from bagel_grain.families.base import is_text
 from bagel_grain.families.video import order_folder_entries
 from bagel_grain.images import DEFAULT_MAX_IMAGE_BYTES
+from bagel_grain.ranged_file import ObjectHandle, RangedFile, open_object
 from bagel_grain.sources.framing import LineWithFiles
 from bagel_grain.sources.readahead import ReadAhead
 from bagel_grain.storage import RetryPolicy, is_transient
@@ -89,11 +90,14 @@ class DiskFiles:
       require(normalised != ".." and not normalised.startswith("../"),
               DropReason.PATH_OUTSIDE_DATA_DIR, relative)
       return path
-    root = os.path.realpath(self.data_dir)
     real = os.path.realpath(path)  # follows symlinks: a link out of data_dir is refused too
-    require(real == root or real.startswith(root + os.sep), DropReason.PATH_OUTSIDE_DATA_DIR,
-            relative)
+    require(self._inside(real), DropReason.PATH_OUTSIDE_DATA_DIR, relative)
     return real + (os.sep if is_folder(relative) else "")
+
+  def _inside(self, real: str) -> bool:
+    """Whether a resolved local path lies under data_dir (resolved too)."""
+    root = os.path.realpath(self.data_dir)
+    return real == root or real.startswith(root + os.sep)
 
   def read(self, path: str) -> bytes:
     """An image's or frame's bytes: only a regular file of at most `max_image_bytes`
@@ -149,14 +153,17 @@ class DiskFiles:
             f"video folder {folder} holds more than {bound} entries "
             f"({FOLDER_ENTRIES_PER_FRAME} x max_video_frames = {max_frames})")
     frames = order_folder_entries(listed)
-    if not fs.is_uri(folder):
-      root = os.path.realpath(folder)
+    if not fs.is_uri(folder):  # a frame may link to another folder of data_dir, not out of it
       for path in frames:
-        require(os.path.realpath(path).startswith(root + os.sep),
-                DropReason.PATH_OUTSIDE_DATA_DIR, f"frame {path} links out of its folder")
+        require(self._inside(os.path.realpath(path)), DropReason.PATH_OUTSIDE_DATA_DIR,
+                f"frame {path} links out of data_dir {self.data_dir}")
     return frames
 
-  def open_video(self, path: str, max_bytes: int) -> str:
+  def open_video(self, path: str, max_bytes: int) -> str | RangedFile:
+    """A local file's path (PyAV opens it), or an object as a `RangedFile`: its size
+    checked from the handle's open (one HEAD), its bytes read in ranges as PyAV asks."""
+    if fs.is_uri(path):
+      return self._open_object(path, max_bytes)
     try:  # only a regular file is opened: opening a FIFO would wait forever
       info = self.storage.call(path, lambda: fs.file_info(path))
     except OSError as e:
@@ -168,6 +175,71 @@ class DiskFiles:
     require(size <= max_bytes, DropReason.FILE_TOO_LARGE,
             f"{path}: {size} bytes > max_video_bytes = {max_bytes}")
     return path  # PyAV opens the path itself
+
+  def _open_object(self, path: str, max_bytes: int) -> RangedFile:
+    """The object's size and head from the read-ahead (no request when the head is the
+    whole clip), else from opening it (one request); its other bytes read in ranges."""
+    head = self.ahead.take(("video", path)) if self.ahead is not None else None
+    info, data = head if head is not None else (None, b"")
+    ranges = _ObjectRanges(path, self.storage, info)
+    try:
+      size = ranges.size()
+      require(size <= max_bytes, DropReason.FILE_TOO_LARGE,
+              f"{path}: {size} bytes > max_video_bytes = {max_bytes}")
+    except BaseException:
+      ranges.close()
+      raise
+    return RangedFile(path, size, ranges.read, head=data, close=ranges.close)
+
+
+class _ObjectRanges:
+  """Ranged reads of one object through one handle, opened on first need (or made from the
+  identity the read-ahead saw, so that the head and the ranges are of one content), each
+  read retried under the storage policy; storage's definite answers become drops."""
+
+  def __init__(self, path: str, storage: RetryPolicy, info: fs.FileInfo | None = None):
+    self.path, self.storage = path, storage
+    self.handle = None if info is None else ObjectHandle(path, info)
+
+  def _handle(self) -> ObjectHandle:
+    if self.handle is None:
+      self.handle = self.storage.call(self.path, lambda: open_object(self.path))
+    return self.handle
+
+  def size(self) -> int:
+    try:
+      return self._handle().size()
+    except OSError as e:
+      raise _definite(e, self.path) from None
+
+  def read(self, offset: int, length: int) -> bytes:
+    try:
+      handle = self._handle()
+      data = self.storage.call(self.path, lambda: handle.read_at(length, offset))
+    except fs.ObjectChanged as e:
+      raise Drop(DropReason.UNREADABLE_FILE, f"{e}; it changed while a sample read it") from None
+    except OSError as e:
+      raise _definite(e, self.path) from None
+    require(len(data) == length, DropReason.UNREADABLE_FILE,
+            f"{self.path}: {len(data)} bytes at {offset}, not {length}: the object changed "
+            "while it was read")
+    return data
+
+  def close(self) -> None:
+    if self.handle is not None:
+      self.handle.close()
+      self.handle = None
+
+
+@contextlib.contextmanager
+def opened_video(files: FileStore, path: str, max_bytes: int) -> Iterator[str | IO[bytes]]:
+  """`files.open_video`, closed on exit when it is a file object (a path has nothing open)."""
+  source = files.open_video(path, max_bytes)
+  try:
+    yield source
+  finally:
+    if not isinstance(source, str):
+      source.close()
 
 
 def _sized(data: bytes) -> tuple[bytes, int]:

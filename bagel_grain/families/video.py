@@ -13,7 +13,9 @@ decoding on; the frames equal a decode from the start bit for bit.
 from __future__ import annotations
 
 import bisect
+import contextlib
 import dataclasses
+import io
 import math
 import re
 from typing import IO, Any, Callable, Iterator, Sequence
@@ -21,6 +23,8 @@ from typing import IO, Any, Callable, Iterator, Sequence
 import numpy as np
 
 from bagel_grain.drops import Drop, DropReason, require
+from bagel_grain.families.video_headers import jpeg_size, mp4_claims
+from bagel_grain.ranged_file import RangedFile
 
 DEFAULT_MAX_VIDEO_BYTES = 1 << 30  # a larger video file is never opened
 # Frames decoded for one video sample, counting those decoded only to reach a wanted one.
@@ -29,10 +33,20 @@ DEFAULT_MAX_VIDEO_FRAMES = 4096
 # Anything else (playlists, image sequences, concat lists, raw streams) is refused before
 # it is parsed, so no record can make ffmpeg open another file or a network address.
 ALLOWED_DEMUXERS = "mov,mp4,matroska,webm,avi"
+# Streams a container may hold: a record uses one video stream (audio and subtitles may sit
+# beside it). FFmpeg stops parsing the header at the next one, before probing any.
+MAX_STREAMS = 16
+# The packets a video stream may hold, per frame of `max_video_frames`: its index (every
+# packet's timestamp) is built before sampling, so its cost is bounded by this, not by the
+# file (16 x 4096 by default: 36 minutes at 30 fps). The packets of all streams together
+# may be `ALL_STREAMS` times as many (audio beside video: AAC at 48 kHz is 47 a second).
+PACKETS_PER_FRAME = 16
+ALL_STREAMS = 2
 # Upstream's frame number of a folder entry: the digits before `.jpg` (any character
 # before `jpg`, as upstream's pattern writes it); entries without one sort first, as -1.
 _FRAME_NUMBER = re.compile(r"_(\d+).jpg$")
 _MODES = ("rand", "middle")
+_FFMPEG_MAX_PIXELS = 2**31 - 1  # FFmpeg's own bound on a frame (an int option)
 
 
 def check_sample_mode(sample: Any) -> str:
@@ -177,13 +191,32 @@ class VideoIndex:
     return len(self.pts)
 
 
-def index_stream(container, stream) -> VideoIndex:
-  """Demuxes (never decodes) every packet of `stream`; drops a container whose headers
-  claim another frame count or a duration its packets do not fill."""
+def max_packets(max_frames: int) -> int:
+  """The packets a video stream may hold (see `PACKETS_PER_FRAME`)."""
+  return PACKETS_PER_FRAME * max_frames
+
+
+def _too_many_packets(what: str, count: int, bound: int, max_frames: int) -> Drop:
+  return Drop(DropReason.TOO_MANY_VIDEO_FRAMES,
+              f"{what} {count} packets, over the bound of {bound} ({bound // max_frames} x "
+              f"max_video_frames = {max_frames}); raise max_video_frames to read longer videos")
+
+
+def index_stream(container, stream, max_frames: int = DEFAULT_MAX_VIDEO_FRAMES) -> VideoIndex:
+  """Demuxes (never decodes) the packets of `stream`, at most `max_packets(max_frames)` of
+  them (and `ALL_STREAMS` times that of all streams); drops a container whose headers claim another
+  frame count or a duration its packets do not fill."""
   pts, key_pts, last_duration = [], [], 0
-  for packet in container.demux(stream):
-    if packet.size == 0 and packet.pts is None:
-      continue  # PyAV's end-of-stream marker, not a frame
+  bound, demuxed = max_packets(max_frames), 0
+  for packet in container.demux():
+    demuxed += 1
+    if demuxed > ALL_STREAMS * bound:
+      raise _too_many_packets("the container holds more than", ALL_STREAMS * bound,
+                              ALL_STREAMS * bound, max_frames)
+    if packet.stream_index != stream.index or (packet.size == 0 and packet.pts is None):
+      continue  # another stream's, or PyAV's end-of-stream marker, not a frame
+    if len(pts) == bound:
+      raise _too_many_packets("the video stream holds more than", bound, bound, max_frames)
     require(packet.pts is not None, DropReason.VIDEO_UNREADABLE,
             "a video packet has no timestamp; frames cannot be addressed")
     pts.append(packet.pts)
@@ -237,9 +270,20 @@ def plan_decoding(index: VideoIndex, wanted: Sequence[int]) -> tuple[list[Decode
   return runs, cost
 
 
-def _decoded(container, stream) -> Iterator:
-  """The stream's frames from the container's current position, in presentation order."""
+def _decoded(container, stream, max_pixels: int) -> Iterator:
+  """The stream's frames from the container's current position, in presentation order.
+
+  An MJPEG packet is a whole JPEG that may give any frame size, whatever the header
+  said: its own frame header is checked before the decoder sees it. For other codecs
+  FFmpeg refuses a frame over `max_pixels` before allocating it (set in `_OpenVideo`).
+  """
+  mjpeg = stream.codec_context.name == "mjpeg"
   for packet in container.demux(stream):
+    if mjpeg and packet.size:
+      size = jpeg_size(memoryview(packet))
+      require(size is None or size[0] * size[1] <= max_pixels, DropReason.TOO_MANY_PIXELS,
+              f"a frame's JPEG header says {size[0]}x{size[1]} > {max_pixels} pixels"
+              if size else "")
     yield from packet.decode()
 
 
@@ -255,7 +299,7 @@ class _Decoder:
   def _seek(self, position: int) -> None:
     self.container.seek(self.index.pts[position], stream=self.stream, backward=True,
                         any_frame=False)
-    self.frames = _decoded(self.container, self.stream)
+    self.frames = _decoded(self.container, self.stream, self.max_pixels)
 
   def _next(self):
     frame = next(self.frames, None)
@@ -292,32 +336,65 @@ class _Decoder:
 
 
 def _open(av, source: str | IO[bytes]):
-  return av.open(source, "r", container_options={"format_whitelist": ALLOWED_DEMUXERS})
+  return av.open(source, "r", container_options={"format_whitelist": ALLOWED_DEMUXERS,
+                                                  "max_streams": str(MAX_STREAMS + 1)})
+
+
+def check_claims(source: str | IO[bytes], max_frames: int) -> None:
+  """Drops an MP4/MOV whose sample tables claim more samples than its index may hold (or
+  more tracks than `MAX_STREAMS`), from a few small reads, before FFmpeg builds an index
+  entry per claimed sample. Other containers claim nothing FFmpeg allocates ahead."""
+  with contextlib.ExitStack() as stack:
+    f = stack.enter_context(open(source, "rb")) if isinstance(source, str) else source
+    size = f.seek(0, io.SEEK_END)
+    try:
+      claims = mp4_claims(f, size, ALL_STREAMS * max_packets(max_frames))
+    finally:
+      f.seek(0)
+  if claims is None:
+    return
+  require(len(claims.tracks) <= MAX_STREAMS, DropReason.VIDEO_UNREADABLE,
+          f"the MP4 header holds {len(claims.tracks)} tracks, more than {MAX_STREAMS}")
+  if claims.fragment_samples > ALL_STREAMS * max_packets(max_frames):
+    raise _too_many_packets("the MP4 file's fragments claim", claims.fragment_samples,
+                            ALL_STREAMS * max_packets(max_frames), max_frames)
+  for track in claims.tracks:
+    bound = max_packets(max_frames) * (1 if track.handler == b"vide" else ALL_STREAMS)
+    if track.samples > bound:
+      kind = {b"vide": "video", b"soun": "audio"}.get(track.handler, "non-video")
+      raise _too_many_packets(f"the MP4 header's {kind} track claims", track.samples, bound,
+                              max_frames)
 
 
 class _OpenVideo:
   """A video file opened for sampling: its container, its video stream and their index."""
 
-  def __init__(self, source: str | IO[bytes], max_pixels: int):
+  def __init__(self, source: str | IO[bytes], max_pixels: int, max_frames: int):
     self.av = _pyav()
     self.errors = _decode_errors(self.av)
-    self.source, self.max_pixels = source, max_pixels
+    self.source, self.max_pixels, self.max_frames = source, max_pixels, max_frames
 
   def __enter__(self) -> _OpenVideo:
     try:
+      check_claims(self.source, self.max_frames)
       self.container = _open(self.av, self.source)
     except self.errors as e:
       raise Drop(DropReason.VIDEO_UNREADABLE, f"{type(e).__name__}: {e}") from None
     try:
       require(self.container.streams.video, DropReason.VIDEO_UNREADABLE, "no video stream")
+      # FFmpeg made at most one stream more than the bound, and probed none of the rest.
+      require(len(self.container.streams) <= MAX_STREAMS, DropReason.VIDEO_UNREADABLE,
+              f"the container holds more than {MAX_STREAMS} streams")
       self.stream = self.container.streams.best("video")
       # One decoding thread, as upstream's decord reader: a worker process is the unit of
       # parallelism, and FFmpeg's automatic count would start a thread per core in each.
       self.stream.codec_context.thread_count = 1
+      if self.max_pixels < _FFMPEG_MAX_PIXELS:  # the decoder refuses a larger frame unmade
+        self.stream.codec_context.options = {"max_pixels": str(self.max_pixels)}
       width, height = self.stream.codec_context.width, self.stream.codec_context.height
       require(width * height <= self.max_pixels, DropReason.TOO_MANY_PIXELS,
               f"{width}x{height} frames > {self.max_pixels} pixels")
-      self.index = index_stream(self.container, self.stream)
+      self.index = index_stream(self.container, self.stream, self.max_frames)
       require(len(self.index) >= 1, DropReason.VIDEO_UNREADABLE, "the video has no frames")
     except BaseException as e:
       self.__exit__(type(e), e, None)
@@ -344,6 +421,24 @@ class _OpenVideo:
     return [images[i] for i in positions]
 
 
+@contextlib.contextmanager
+def _failures_of(source: str | IO[bytes]) -> Iterator[None]:
+  """Raises the failure a file object met (a storage error, a drop for a vanished object)
+  in place of what FFmpeg made of it: PyAV takes an exception in `read` for the end of
+  the file, so what followed (a short index, a decoding error) is not the video's fault."""
+  if not isinstance(source, RangedFile):
+    yield
+    return
+  try:
+    yield
+  except BaseException:
+    if source.failure is not None:
+      raise source.failure from None
+    raise
+  if source.failure is not None:
+    raise source.failure
+
+
 def read_video_frames(source: str | IO[bytes], args: FrameSamplerArgs,
                       rng: np.random.Generator, *, max_frames: int = DEFAULT_MAX_VIDEO_FRAMES,
                       max_pixels: int = 89_478_485,
@@ -356,7 +451,7 @@ def read_video_frames(source: str | IO[bytes], args: FrameSamplerArgs,
   it repeats. Bounds, checked before decoding: at most `max_pixels` per frame, at most
   `max_frames` frames sampled or decoded.
   """
-  with _OpenVideo(source, max_pixels) as video:
+  with _failures_of(source), _OpenVideo(source, max_pixels, max_frames) as video:
     t = draw_frame_count(args, rng)
     indices = frame_indices(t, len(video.index), args, rng, input_fps=video.index.fps,
                             max_frames=max_frames)
@@ -370,13 +465,15 @@ def decode_video_frames(source: str | IO[bytes], positions: Sequence[int], *,
                         max_frames: int = DEFAULT_MAX_VIDEO_FRAMES,
                         max_pixels: int = 89_478_485) -> list:
   """The frames at `positions` (presentation order) of a video file, as RGB PIL images."""
-  with _OpenVideo(source, max_pixels) as video:
+  with _failures_of(source), _OpenVideo(source, max_pixels, max_frames) as video:
     require(all(0 <= p < len(video.index) for p in positions), DropReason.VIDEO_UNREADABLE,
             f"positions outside the {len(video.index)} frames")
     return video.decode(positions, max_frames)
 
 
-def probe_video(source: str | IO[bytes]) -> VideoIndex:
+def probe_video(source: str | IO[bytes], max_frames: int = DEFAULT_MAX_VIDEO_FRAMES
+                ) -> VideoIndex:
   """The index of a video file (its frames, keyframes and rate), or Drop(video_unreadable)."""
-  with _OpenVideo(source, max_pixels=2**62) as video:
+  with _failures_of(source), _OpenVideo(source, max_pixels=2**62,
+                                        max_frames=max_frames) as video:
     return video.index

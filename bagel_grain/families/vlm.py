@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any, Callable, Mapping
 
 import numpy as np
 
+from bagel_grain import fs
 from bagel_grain.config_values import check_keys, number
 from bagel_grain.drops import FILE_REASONS, IMAGE_REASONS, RECORD_REASONS, VIDEO_REASONS
 from bagel_grain.drops import Drop, DropReason, Note, require
@@ -16,9 +17,11 @@ from bagel_grain.errors import ConfigError
 from bagel_grain.families import video
 from bagel_grain.families.base import FamilyTransform, is_text
 from bagel_grain.families.family import Family, GroupOptions
-from bagel_grain.families.files import DiskFiles, EmbeddedFiles, FileStore, is_folder
+from bagel_grain.families.files import (DiskFiles, EmbeddedFiles, FileStore, is_folder,
+                                        opened_video)
 from bagel_grain.families.video import DEFAULT_MAX_VIDEO_BYTES, FrameSamplerArgs
 from bagel_grain.images import ImageTransform, image_size, resize_image, resize_size
+from bagel_grain.ranged_file import VideoHead
 from bagel_grain.sample import PlanItem, Sample
 from bagel_grain.sources.framing import LineWithFiles
 from bagel_grain.sources.records import Record
@@ -119,24 +122,29 @@ class VLMTransform(FamilyTransform):
     return record.fields, DiskFiles(self.data_dirs[record.dataset], self.read_ahead,
                                     self.max_image_bytes)
 
-  def files_ahead(self, record: Record) -> list[str]:
+  def files_ahead(self, record: Record) -> list[str | VideoHead]:
     """The image files a line lists, or its frame folder (listed ahead; which frames are read
-    is drawn when parsed; a video file is read when parsed)."""
+    is drawn when parsed), or its video object's head (`ranged_file.VideoHead`; a local
+    video file is opened when parsed)."""
     if record.error is not None or isinstance(record.fields, LineWithFiles):
       return []
     try:
       row = parse_row(record.fields)
       video = row.get("video")
-      listed = (listed_images(row) if "image" in row
-                else [video] if isinstance(video, str) and is_folder(video) else [])
+      images = "image" in row
+      listed = listed_images(row) if images else [video] if isinstance(video, str) else []
     except Drop:
       return []
     disk, paths = DiskFiles(self.data_dirs[record.dataset]), []
     for relative in {p: None for p in listed if isinstance(p, str)}:  # each path once
       try:
-        paths.append(disk.locate(relative))
+        located = disk.locate(relative)
       except Drop:
-        pass  # refused again, and counted, when parsed
+        continue  # refused again, and counted, when parsed
+      if images or is_folder(located):
+        paths.append(located)
+      elif fs.is_uri(located):  # a video object: its size and first bytes
+        paths.append(VideoHead(located))
     return list(dict.fromkeys(paths))  # names of one file: read once
 
   def _video_frames(self, files: FileStore, path: str, rng: np.random.Generator,
@@ -148,9 +156,10 @@ class VLMTransform(FamilyTransform):
                                    self.frame_sampler, rng,
                                    max_frames=self.max_video_frames)
       return frames[:used(len(frames))], len(frames)
-    return video.read_video_frames(
-        files.open_video(path, self.max_video_bytes), self.frame_sampler, rng,
-        max_frames=self.max_video_frames, max_pixels=self.max_decode_pixels, take=used)
+    with opened_video(files, path, self.max_video_bytes) as source:
+      return video.read_video_frames(
+          source, self.frame_sampler, rng, max_frames=self.max_video_frames,
+          max_pixels=self.max_decode_pixels, take=used)
 
   def _frame_pixels(self, files: FileStore, frames: list, num_frames: int) -> list[np.ndarray]:
     pixels = []
@@ -320,7 +329,8 @@ class _Embedding:
           self.errors[name] = e.reason  # still an entry: it counts for the sampling
       return
     try:  # the size is checked before a byte is read, as when the family opens it
-      self.disk.open_video(path, self.max_video_bytes)
+      with opened_video(self.disk, path, self.max_video_bytes):
+        pass
     except Drop as e:
       if e.reason != DropReason.MISSING_FILE:  # else absent, as on disk
         self.errors[relative] = e.reason

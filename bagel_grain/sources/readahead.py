@@ -37,7 +37,7 @@ from typing import Any, Callable, Hashable, Iterable
 
 import grain
 
-from bagel_grain import fs, held_memory
+from bagel_grain import fs, held_memory, ranged_file
 from bagel_grain.storage import RetryPolicy, element_deadline, single_attempts
 
 THREADS = 8  # requests in flight per group and process, at least
@@ -362,7 +362,11 @@ class ReadAheadRecords(grain.MapDataset):
     folder's listing (which frames are read is drawn when the record is parsed)."""
     started = []
     for path in self._files_of(record):
-      if path.endswith(("/", os.sep)):
+      if isinstance(path, ranged_file.VideoHead):  # a video object's size and first bytes,
+        held = self.ahead.start(("video", path.path),  # counted at their most
+                                lambda p=path.path: ranged_file.read_head(p),
+                                size=ranged_file.WHOLE_BYTES)
+      elif path.endswith(("/", os.sep)):
         held = self.ahead.start(("list", path), lambda p=path: _listed(
             fs.list_files(p, max_entries=MAX_LIST_AHEAD)))
       else:
@@ -467,9 +471,11 @@ def _listed(paths: list[str]) -> tuple[list[str], int]:
   return paths, sum(len(p) for p in paths)
 
 
-def _file_keys(paths: Iterable[str]) -> list[tuple[str, str]]:
-  """The read-ahead keys of a record's files: ("list", folder) or ("file", path)."""
-  return [("list" if p.endswith(("/", os.sep)) else "file", p) for p in paths]
+def _file_keys(paths: Iterable[str | ranged_file.VideoHead]) -> list[tuple[str, str]]:
+  """The read-ahead keys of a record's files: ("list", folder), ("video", object) (its
+  head, see `ranged_file.VideoHead`) or ("file", path)."""
+  return [("video", p.path) if isinstance(p, ranged_file.VideoHead)
+          else ("list" if p.endswith(("/", os.sep)) else "file", p) for p in paths]
 
 
 def _size(value: Any) -> int:

@@ -1,0 +1,170 @@
+"""An object in a bucket as a seekable, read-only file object over ranged reads (for PyAV).
+
+PyAV reads through a Python file object; this one answers each read from a bounded
+buffer of blocks, fetching a missing block (and, while reads go forward, a growing run
+of the blocks after it, up to 2 MiB) with one ranged read. A video sample demuxes every
+packet first (its frame count is its packet count, as decord counts, and an MP4's
+keyframe flags come from the packets' bytes, not only from its index), so every byte
+of the object is read once, in order; then the seek plan reads the ranges it needs
+again if they left the buffer. An object of at most `WHOLE_BYTES` (the buffer's size)
+is therefore fetched whole, in one request, on its first read, and both passes are
+served from memory; a larger one is streamed through the buffer, never held whole.
+
+The ranged read is the caller's (`read_range(offset, length) -> bytes`, retried under
+the storage policy there). PyAV treats an exception from a file object's `read` as the
+end of the file, so the first one is kept in `failure` and raised again by every later
+read: `video.read_video_frames` raises it in place of whatever FFmpeg concluded.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import io
+import posixpath
+from typing import Callable
+
+from bagel_grain import fs
+
+BLOCK_BYTES = 256 << 10  # the unit of the buffer and of a ranged read
+MAX_BLOCKS = 16  # the buffer: 4 MiB per open video, at most
+WHOLE_BYTES = BLOCK_BYTES * MAX_BLOCKS  # an object this small is read whole, in one request
+
+
+class RangedFile(io.RawIOBase):
+  """`size` bytes at `name`, read through `read_range`; `head`: bytes from offset 0 already
+  read (by read-ahead), kept as the first blocks. `requests` and `bytes_read` count the
+  ranged reads made."""
+
+  def __init__(self, name: str, size: int, read_range: Callable[[int, int], bytes], *,
+               head: bytes = b"", close: Callable[[], None] | None = None,
+               block_bytes: int = BLOCK_BYTES, max_blocks: int = MAX_BLOCKS,
+               whole_bytes: int = WHOLE_BYTES):
+    super().__init__()
+    self.name = posixpath.basename(name)  # FFmpeg probes the format with it, as with a path
+    self.size, self._read_range, self._close = size, read_range, close
+    self._block, self._max_blocks = block_bytes, max(1, max_blocks)
+    self._whole = size <= whole_bytes and size <= block_bytes * self._max_blocks
+    self._blocks: collections.OrderedDict[int, bytes] = collections.OrderedDict()
+    self._position, self._next, self._run = 0, -1, 1
+    self.requests, self.bytes_read = 0, 0
+    self.failure: BaseException | None = None
+    for start in range(0, len(head) - len(head) % block_bytes, block_bytes):
+      self._keep(start // block_bytes, head[start:start + block_bytes])
+    if head and len(head) >= size and size % block_bytes:
+      self._keep(len(head) // block_bytes, head[len(head) - len(head) % block_bytes:size])
+
+  def readable(self) -> bool:
+    return True
+
+  def seekable(self) -> bool:
+    return True
+
+  def tell(self) -> int:
+    return self._position
+
+  def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+    base = {io.SEEK_SET: 0, io.SEEK_CUR: self._position, io.SEEK_END: self.size}[whence]
+    if base + offset < 0:
+      raise ValueError(f"seek to {base + offset}, before the start of {self.name}")
+    self._position = base + offset
+    return self._position
+
+  def read(self, n: int = -1) -> bytes:
+    if self.failure is not None:
+      raise self.failure
+    end = self.size if n is None or n < 0 else min(self.size, self._position + n)
+    out = []
+    try:
+      while self._position < end:
+        index, offset = divmod(self._position, self._block)
+        piece = self._get(index)[offset:offset + end - self._position]
+        out.append(piece)
+        self._position += len(piece)
+    except BaseException as e:  # pylint: disable=broad-except  # kept for after PyAV's call
+      self.failure = e
+      raise
+    return b"".join(out)
+
+  def readinto(self, buffer) -> int:
+    data = self.read(len(buffer))
+    buffer[:len(data)] = data
+    return len(data)
+
+  def close(self) -> None:
+    if not self.closed and self._close is not None:
+      self._close()
+    self._blocks.clear()
+    super().close()
+
+  def _get(self, index: int) -> bytes:
+    if index in self._blocks:
+      self._blocks.move_to_end(index)
+      return self._blocks[index]
+    if self._whole:  # from here to the end (the whole object, on the first read)
+      first, count = index, -(-self.size // self._block) - index
+    else:  # a run that doubles while reads go forward (demuxing), one block after a seek
+      self._run = min(2 * self._run, self._max_blocks // 2 or 1) if index == self._next else 1
+      first, count = index, self._run
+    count = next((i for i in range(1, count) if first + i in self._blocks), count)
+    start = first * self._block
+    length = min(count * self._block, self.size - start)
+    data = self._read_range(start, length)
+    self.requests += 1
+    self.bytes_read += len(data)
+    if len(data) != length:
+      raise OSError(f"{self.name}: read {len(data)} bytes at {start}, expected {length} "
+                    "(the object changed while it was read)")
+    for i in range(count):
+      self._keep(first + i, data[i * self._block:(i + 1) * self._block])
+    self._next = first + count
+    return self._blocks[index]
+
+  def _keep(self, index: int, data: bytes) -> None:
+    self._blocks[index] = data
+    self._blocks.move_to_end(index)
+    while len(self._blocks) > self._max_blocks:
+      self._blocks.popitem(last=False)
+
+
+@dataclasses.dataclass(frozen=True)
+class VideoHead:
+  """A video object named to the read-ahead (`sources.readahead`): its size and first
+  `WHOLE_BYTES` are read ahead, so a small clip costs its consumer no request at all."""
+
+  path: str
+
+
+class ObjectHandle:
+  """One object's ranged reads, pinned to the identity (`fs.FileInfo`) seen when it was
+  opened: every range a sample reads is of that content (GCS generation, S3 ETag), and
+  a change mid-sample is `fs.ObjectChanged`, a definite answer."""
+
+  def __init__(self, path: str, info: fs.FileInfo):
+    self.path, self.info = path, info
+
+  def size(self) -> int:
+    return int(self.info.size)
+
+  def read_at(self, length: int, offset: int) -> bytes:
+    return fs.read_range(self.path, offset, length, pin=self.info)
+
+  def close(self) -> None:
+    """Nothing held open: each range is one request."""
+
+
+def open_object(path: str) -> ObjectHandle:
+  """A video object's handle (one HEAD: its size and identity). The one place video reads
+  enter the storage layer (`bagel_grain.fs`)."""
+  info = fs.file_info(path)
+  if info.kind != "file":
+    raise FileNotFoundError(f"{path}: no such object ({info.kind})")
+  return ObjectHandle(path, info)
+
+
+def read_head(path: str) -> tuple[tuple[fs.FileInfo, bytes], int]:
+  """(the object's `FileInfo`, its first `WHOLE_BYTES` bytes), and the bytes held: one
+  HEAD, one ranged read. Tried once, as every read ahead."""
+  handle = open_object(path)
+  head = handle.read_at(min(handle.size(), WHOLE_BYTES), 0)
+  return (handle.info, head), len(head)
