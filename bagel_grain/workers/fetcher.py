@@ -16,7 +16,10 @@ computes the next element of the group just asked for (`INLINE_AHEAD`), so the
 packer's own work on a row overlaps a decode instead of alternating with it.
 
 A thread of the main process (the pump) hands jobs to the workers and drains their
-results as soon as they are sent, so a worker never waits on a busy packer. Each
+results as soon as they are sent, so a worker never waits on a busy packer. A result's
+arrays arrive as views of the worker's shared-memory slab (`workers/slab.py`), so the
+pump moves metadata, not pixels; it gives each worker back the regions of its slab
+that nothing references any more. Each
 worker has a socket of its own (not a shared result queue): a worker that dies,
 even halfway through sending a result, closes the only writer of its socket, so
 the pump sees end-of-file or the process sentinel and the packer gets a
@@ -102,6 +105,7 @@ class Fetcher:
     self._inline_key: tuple[int, int] | None = None
     self._inline_since = 0.0
     self._read_ahead_started = False  # see _untaken
+    self._wake_pending = False  # a byte is on its way to the pump (see _wake_once)
     # Elements computed in this process, and the CPU seconds they took (for reports).
     self.inline_elements, self.inline_cpu_s = 0, 0.0
     self._pump: threading.Thread | None = None
@@ -138,10 +142,13 @@ class Fetcher:
       if self._pump is not None:
         for ahead in range(self._depths[group] + 1):
           self._want(group, index + ahead)
+        wake = self._wake_once()
       else:  # the one asked for first, then the next ones
         for ahead in range(INLINE_AHEAD + 1):
           self._queue_inline(group, index + ahead, first=ahead == 0)
-    self._wake_pump()
+        wake = False
+    if wake:
+      self._wake.send_bytes(b"")
     return self._take((group, index))
 
   def get_many(self, keys: Sequence[tuple[int, int]]) -> list[Any]:
@@ -151,12 +158,17 @@ class Fetcher:
     with self._cond:
       for key in keys:
         self._want(*key)
-    self._wake_pump()
+      wake = self._pump is not None and self._wake_once()
+    if wake:
+      self._wake.send_bytes(b"")
     return [self._take(key) for key in keys]
 
-  def _wake_pump(self) -> None:
-    if self._pump is not None:
-      self._wake.send_bytes(b"")
+  def _wake_once(self) -> bool:
+    """Whether the caller should wake the pump: not if a wake it has not seen yet is under
+    way (a syscall per element was a tenth of the main thread's time). The pump clears
+    the flag, under the lock, just before it dispatches (caller holds the lock)."""
+    wake, self._wake_pending = not self._wake_pending, True
+    return wake
 
   def _want(self, group: int, index: int) -> None:
     key = (group, index)
@@ -276,6 +288,7 @@ class Fetcher:
       with self._cond:
         if self._closed or self._failure is not None:
           return
+        self._wake_pending = False  # what was wanted until now is dispatched below
         self._dispatch()
         self._check_deadlines()
         watched = [w for w in self._workers if w.jobs or w.stage != "ready"]
@@ -293,6 +306,11 @@ class Fetcher:
     """Hands each ready worker the pending elements it owns (`readahead.owner`): a worker
     reads ahead exactly the records it will decode, so each is read by one process."""
     for n, w in enumerate(self._workers):
+      if w.stage == "ready":
+        try:
+          w.give_back_regions()
+        except OSError:  # the worker is gone: its exit is reported by the pump
+          continue
       while w.stage == "ready" and len(w.jobs) < JOBS_PER_WORKER:
         key = next((k for k in self._pending
                     if readahead.owner(k[1], len(self._workers)) == n), None)
@@ -326,7 +344,7 @@ class Fetcher:
           message, *_, held = w.conn.recv()
           w.memory["at_" + message] = held
           return self._starting(w, message)
-        status, key, value, spent, w.memory["now"] = recv(w.conn)
+        status, key, value, spent, w.memory["now"] = recv(w.conn, w.slab)
       except (EOFError, OSError):
         return self._exited(w)
       storage.COUNTS.add(self._names[key[0]], spent)
@@ -370,8 +388,7 @@ class Fetcher:
     """Sends a worker its share of the elements and its datasets; blocks only this thread
     while the worker reads."""
     try:
-      w.conn.send((self._workers.index(w), len(self._workers)))
-      w.conn.send_bytes(self._payload)
+      w.hand_over(self._workers.index(w), len(self._workers), self._payload)
     except (OSError, ValueError):
       pass  # the worker exited (the pump reports it) or the fetcher was closed
 
@@ -450,6 +467,7 @@ class Fetcher:
         w.process.kill()
         w.process.join()
       w.conn.close()
+      w.close_slab()
     self._pending.clear()
     self._done.clear()
     close_read_ahead(self._datasets)
