@@ -11,8 +11,8 @@ Workers ignore SIGINT (the main process decides what a Ctrl-C means), run at a
 lower priority, and leave quietly when the main process goes away.
 
 Messages to a worker: its share and slab size, its datasets, the slab itself (a file
-descriptor), then jobs: `(group, index)`, `("free", starts)` (regions of its slab the main
-process let go of), or None (stop).
+descriptor), then `(jobs, freed)` (elements to compute, as `(group, index)`, and the
+regions of its slab the main process let go of), or None (stop).
 """
 
 from __future__ import annotations
@@ -72,8 +72,8 @@ def send(conn: Connection, status: str, job: tuple[int, int], value: Any,
   buffers: list[pickle.PickleBuffer] = []
   payload = pickle.dumps(value, protocol=5, buffer_callback=buffers.append)
   placed = slab.place(buffers) if slab is not None and buffers else None
-  conn.send((status, job, len(buffers), spent.retries, spent.wait_s, placed, _held_memory()))
-  conn.send_bytes(payload)
+  conn.send((status, job, len(buffers), spent.retries, spent.wait_s, placed, _held_memory(),
+             payload))  # one message: with the arrays placed, a few KiB
   if placed is None:
     for buffer in buffers:
       conn.send_bytes(buffer.raw())
@@ -83,8 +83,7 @@ def recv(conn: Connection, slab: slabs.MainSlab | None = None
          ) -> tuple[str, tuple[int, int], Any, storage.ElementStorage, dict[str, int]]:
   """What `send` sent: status, job, value, storage cost, and the worker's memory held.
   The value's arrays are read-only views of the slab, or of the bytes received."""
-  status, job, count, retries, wait_s, placed, held = conn.recv()
-  payload = conn.recv_bytes()
+  status, job, count, retries, wait_s, placed, held, payload = conn.recv()
   if placed is not None:
     buffers = slab.buffers(placed)
   else:
@@ -129,21 +128,22 @@ def _worker_main(conn: Connection) -> None:
       return
     conn.send(("ready", None, 0, 0, 0.0, held_memory.snapshot()))  # and datasets loaded
     while True:
-      job = conn.recv()
-      if job is None:
+      message = conn.recv()
+      if message is None:
         return
-      if job[0] == "free":
-        slab.free(job[1])
-        continue
-      group, index = job
-      with storage.element_scope() as spent:
-        try:
-          status, value = "ok", datasets[group][index]
-        except StorageUnavailableError as e:  # the main process raises it; a retry may pass
-          status, value = "retry", e
-        except Exception:  # pylint: disable=broad-except  # reported, then the stream stops
-          status, value = "error", traceback.format_exc()
-      send(conn, status, job, value, spent, slab)
+      jobs, freed = message
+      if freed:
+        slab.free(freed)
+      for job in jobs:
+        group, index = job
+        with storage.element_scope() as spent:
+          try:
+            status, value = "ok", datasets[group][index]
+          except StorageUnavailableError as e:  # the main process raises it; a retry may pass
+            status, value = "retry", e
+          except Exception:  # pylint: disable=broad-except  # reported, then the stream stops
+            status, value = "error", traceback.format_exc()
+        send(conn, status, job, value, spent, slab)
   except (EOFError, OSError):
     return  # the main process closed our socket or went away
 
@@ -198,11 +198,6 @@ class Worker:
       self.slab_fd = None
     self.slab = None
 
-  def give_back_regions(self) -> None:
-    """Tells the worker which regions of its slab nothing here references any more."""
-    freed = self.slab.take_freed() if self.slab is not None else []
-    if freed:
-      self.conn.send(("free", freed))
 
   def describe_exit(self) -> str:
     self.process.join(timeout=1)  # so that its exit code is known
