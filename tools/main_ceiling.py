@@ -94,12 +94,18 @@ def measure(data: str, workers: int, distinct: int, warmup: int, rows: int,
       replay.fill()
     (fetcher,) = live()
     threads, start, inline = _thread_cpu(), pipeline_stats(it), fetcher.inline_elements
+    parts = it.cpu_seconds() if hasattr(it, "cpu_seconds") else {}  # (older trees: none)
     cpu, wall = time.process_time(), time.perf_counter()
     tokens = 0
     for _ in range(rows):
       tokens += int(next(it)["num_tokens"].sum())
     cpu, wall = time.process_time() - cpu, time.perf_counter() - wall
     threads = {k: v - threads[k] for k, v in _thread_cpu().items()}
+    if parts:  # the caller's thread: row writing and hand-off apart from placement
+      parts = {k: v - parts[k] for k, v in it.cpu_seconds().items()}
+      threads["main"] -= sum(parts.values())
+      threads = {"pump": threads.pop("pump"), "placement": threads.pop("main"), **parts,
+                 **threads}
     done = pipeline_stats(it)["rows"] - start["rows"]
     inline = fetcher.inline_elements - inline
   finally:
