@@ -2,6 +2,7 @@
 the socket, and nothing left behind when the pipeline closes or a process is killed."""
 
 import gc
+import json
 import mmap
 import os
 import pickle
@@ -138,6 +139,22 @@ def test_an_element_with_no_room_in_the_slab_comes_over_the_socket(monkeypatch):
   assert slabs_held() == 0
 
 
+def test_without_address_space_for_a_slab_everything_comes_over_the_socket(monkeypatch):
+  def no_room(fd, size):
+    raise OSError(12, "Cannot allocate memory")
+  monkeypatch.setattr(slabs, "MainSlab", no_room)
+  with deadline(120):
+    fetcher = started(Fetcher([Pixels(8, 1 << 16, slow_here_s=0.5)], workers=1, depths=[2]))
+    try:
+      assert slabs_held() == 0  # its descriptor closed at once
+      got = [fetcher.get(0, i) for i in range(8)]
+    finally:
+      fetcher.close()
+  assert [g["index"][0] for g in got] == list(range(8))
+  assert {type(owner(g["pixels"])).__name__ for g in got} <= {"bytes", "NoneType"}
+  assert "bytes" in {type(owner(g["pixels"])).__name__ for g in got}
+
+
 def test_a_worker_killed_leaves_no_slab_behind_once_the_fetcher_closes():
   before = shm_entries()
   with deadline(120):
@@ -180,7 +197,7 @@ def test_the_main_process_killed_leaves_no_slab_and_no_worker_behind(tmp_path):
                            stdout=subprocess.PIPE, text=True, env=env, start_new_session=True)
   workers = []
   try:
-    pids = eval(child.stdout.readline())  # pylint: disable=eval-used  # a JSON list of ints
+    pids = json.loads(child.stdout.readline())
     workers = [psutil.Process(pid) for pid in pids]
     assert all(slabs_held(p.pid) >= 1 for p in workers)
     assert slabs_held(child.pid) == 2 * 2

@@ -118,8 +118,8 @@ def _worker_main(conn: Connection) -> None:
       share, count, slab_bytes = conn.recv()
       readahead.set_share((share, count))  # the elements this worker decodes
       datasets = pickle.loads(conn.recv_bytes())
-      slab = (slabs.WorkerSlab(multiprocessing.reduction.recv_handle(conn), slab_bytes)
-              if slab_bytes else None)
+      slab = slabs.worker_side(multiprocessing.reduction.recv_handle(conn), slab_bytes
+                               ) if slab_bytes else None
     except (EOFError, OSError):
       return
     except BaseException:  # pylint: disable=broad-except  # reported, then this worker ends
@@ -175,7 +175,10 @@ class Worker:
     self.memory: dict[str, dict[str, int]] = {}  # see Fetcher.worker_memory
     # Its slab: this process maps it now; the descriptor goes to the worker at hand-over.
     self.slab_fd = slabs.create()
-    self.slab = None if self.slab_fd is None else slabs.MainSlab(self.slab_fd, slabs.SLAB_BYTES)
+    self.slab = slabs.main_side(self.slab_fd, slabs.SLAB_BYTES)
+    if self.slab is None and self.slab_fd is not None:  # no room to map it: the socket only
+      os.close(self.slab_fd)
+      self.slab_fd = None
 
   def hand_over(self, share: int, count: int, payload: bytes) -> None:
     """Sends the worker its share of the elements, its datasets and its slab; blocks until

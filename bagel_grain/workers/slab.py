@@ -12,9 +12,10 @@ keeps alive), and the pump tells the worker so with its next message.
 
 A slab has no name: the kernel frees it when the last process that maps it is gone,
 so a kill -9 of a worker or of the main process leaves nothing in /dev/shm and needs
-no resource tracker. Where `memfd_create` is missing, or a region does not fit (the
-packer holding many samples), the element goes through the socket as before: the
-slab saves copies, it never decides what is sent.
+no resource tracker. Where `memfd_create` is missing, a slab cannot be mapped (no
+address space left), or a region does not fit (the packer holding many samples), the
+element goes through the socket as before: the slab saves copies, it never decides
+what is sent.
 """
 
 from __future__ import annotations
@@ -95,7 +96,7 @@ class WorkerSlab:
 
   def __init__(self, fd: int, size: int):
     self._map = mmap.mmap(fd, size)
-    os.close(fd)
+    os.close(fd)  # the mapping keeps the memory
     self._view = memoryview(self._map)
     self._regions = Regions(size)
 
@@ -143,3 +144,24 @@ class MainSlab:
     while self._freed:
       out.append(self._freed.popleft())
     return out
+
+
+def main_side(fd: int | None, size: int) -> MainSlab | None:
+  """The main process's mapping of a slab, or None (no slab, or no address space for it,
+  e.g. under a tight RLIMIT_AS): its worker then sends everything over its socket."""
+  if fd is None:
+    return None
+  try:
+    return MainSlab(fd, size)
+  except OSError:
+    return None
+
+
+def worker_side(fd: int, size: int) -> WorkerSlab | None:
+  """The worker's mapping of the slab it was handed (the descriptor is closed either way),
+  or None when it cannot map it: it then sends everything over its socket."""
+  try:
+    return WorkerSlab(fd, size)
+  except OSError:
+    os.close(fd)
+    return None
