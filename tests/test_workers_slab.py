@@ -100,6 +100,36 @@ def test_an_element_placed_in_a_slab_is_read_only_views_whose_region_returns_whe
   assert worker.place(buffers) == placed  # the same region again
 
 
+def slab_resident_bytes() -> int:
+  """Resident bytes of this process's slab mappings (/proc/self/smaps)."""
+  total, inside = 0, False
+  for line in Path("/proc/self/smaps").read_text().splitlines():
+    if not line[:1].isupper():  # a mapping's header line
+      inside = SLAB_NAME in line
+    elif inside and line.startswith("Rss:"):
+      total += int(line.split()[1]) * 1024
+  return total
+
+
+def test_a_region_freed_beyond_the_warm_bytes_leaves_both_processes_memory():
+  fd = slabs.create(8 << 20)
+  if fd is None:
+    pytest.skip("no memfd on this system")
+  worker = slabs.WorkerSlab(os.dup(fd), 8 << 20, warm=1 << 20)
+  main = slabs.MainSlab(fd, 8 << 20)
+  os.close(fd)
+  buffers = []
+  payload = pickle.dumps(np.ones(6 << 20, np.uint8), protocol=5, buffer_callback=buffers.append)
+  got = pickle.loads(payload, buffers=main.buffers(worker.place(buffers)))
+  assert int(got.sum()) == 6 << 20  # read here: its pages mapped in this process
+  assert slab_resident_bytes() >= 2 * (6 << 20)  # both mappings (the worker's is here too)
+  del got
+  worker.free(main.take_freed())
+  assert slab_resident_bytes() <= 2 * (1 << 20)  # only the warm first MiB stays
+  got = pickle.loads(payload, buffers=main.buffers(worker.place(buffers)))
+  assert int(got.sum()) == 6 << 20  # the region written again reads right
+
+
 def test_elements_from_workers_come_through_the_slab_and_its_regions_are_reused(monkeypatch):
   monkeypatch.setattr(slabs, "SLAB_BYTES", 24 << 20)
   with deadline(120):

@@ -30,7 +30,12 @@ from typing import Sequence
 
 import numpy as np
 
-SLAB_BYTES = 256 << 20  # per worker; address space, touched only as far as regions reach
+SLAB_BYTES = 128 << 20  # per worker: at most this much more in its RSS (and in the main process's)
+# The first bytes of a slab stay resident once touched (first fit keeps most regions
+# there, and pages already mapped cost the main process no fault); a region freed beyond
+# them gives its pages back to the kernel, so that a burst of samples held (a full
+# packer's buffer) does not stay in both processes' RSS.
+WARM_BYTES = 64 << 20
 _ALIGN = 64  # each buffer starts on a cache line (and on any dtype's alignment)
 
 Spans = tuple[tuple[int, int], ...]  # (offset within the region, bytes) per buffer
@@ -74,8 +79,9 @@ class Regions:
         return start
     return None
 
-  def free(self, start: int) -> None:
-    nbytes = self._taken.pop(start)
+  def free(self, start: int) -> int:
+    """Frees the range taken at `start`; returns its length."""
+    nbytes = freed = self._taken.pop(start)
     i = bisect.bisect(self._starts, start)
     if i < len(self._starts) and start + nbytes == self._starts[i]:  # joins the next
       nbytes += self._lengths[i]
@@ -85,6 +91,7 @@ class Regions:
     else:
       self._starts.insert(i, start)
       self._lengths.insert(i, nbytes)
+    return freed
 
   @property
   def taken_bytes(self) -> int:
@@ -94,11 +101,12 @@ class Regions:
 class WorkerSlab:
   """The worker's side: its element's buffers copied into a free region."""
 
-  def __init__(self, fd: int, size: int):
+  def __init__(self, fd: int, size: int, warm: int | None = None):
     self._map = mmap.mmap(fd, size)
     os.close(fd)  # the mapping keeps the memory
     self._view = memoryview(self._map)
     self._regions = Regions(size)
+    self._warm = WARM_BYTES if warm is None else warm
 
   def place(self, buffers: Sequence[pickle.PickleBuffer]) -> Placed | None:
     """Where `buffers` now lie, or None when no free region is large enough."""
@@ -115,8 +123,17 @@ class WorkerSlab:
     return start, tuple(spans)
 
   def free(self, starts: Sequence[int]) -> None:
+    """Frees the regions; the whole pages of them beyond the warm bytes go back to the kernel
+    (MADV_REMOVE: gone from the main process's mapping too)."""
     for start in starts:
-      self._regions.free(start)
+      end = start + self._regions.free(start)
+      first = -(-max(start, self._warm) // mmap.PAGESIZE) * mmap.PAGESIZE
+      last = end // mmap.PAGESIZE * mmap.PAGESIZE
+      if last > first and hasattr(mmap, "MADV_REMOVE"):
+        try:
+          self._map.madvise(mmap.MADV_REMOVE, first, last - first)
+        except OSError:
+          pass  # kept resident: only memory, never the data
 
 
 class MainSlab:
