@@ -67,6 +67,11 @@ def test_bench_smoke_emits_every_field(demo_yaml, tmp_path, capsys):
   assert set(by_thread) == {"main", "pump", "decode", "other"}
   assert by_thread["decode"] > 0 and by_thread["pump"] == 0  # no workers: no pump thread
   assert sum(by_thread.values()) <= run["main_cpu_s_per_row"] * 1.1
+  by_part = run["main_cpu_s_per_row_by_part"]  # the caller's thread split by what it does
+  assert list(by_part) == ["pump", "placement", "row writing", "hand-off", "decoding", "other"]
+  assert by_part["row writing"] > 0 and by_part["hand-off"] > 0 and by_part["pump"] == 0
+  assert by_part["placement"] + by_part["row writing"] + by_part["hand-off"] == pytest.approx(
+      by_thread["main"], abs=0.02)
   main = run["memory"]["main"]
   assert 0 < main["rss_after_imports_bytes"] and 0 < main["rss_bytes"]
   assert main["row_group_cache_bytes"] > 0  # the demo's T2I group is parquet

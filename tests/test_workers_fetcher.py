@@ -339,8 +339,8 @@ def test_dataset_that_does_not_load_in_a_worker_is_a_worker_error_with_its_trace
     with deadline(120), pytest.raises(WorkerError) as failure:
       fetcher = Fetcher([module.Elements(range(10**6))], workers=1, depths=[2])
       try:
-        for i in range(10**6):
-          fetcher.get(0, i)
+        for i in range(10**9):  # the main process computes them until the worker's failure
+          fetcher.get(0, i % 10**6)
       finally:
         fetcher.close()
   finally:

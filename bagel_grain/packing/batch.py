@@ -18,6 +18,7 @@ threads calling `next()` take turns.
 from __future__ import annotations
 
 import threading
+import time
 from typing import Any, Callable, Mapping, NoReturn, Sequence
 
 import grain
@@ -104,6 +105,9 @@ class BatchIterator(StageIterator):
     # The position a next() in progress started at.
     self._in_flight: PackPosition | InterleavePosition | None = None
     self._buffers = BatchBuffers(capacities, batch_size)
+    # CPU seconds of the caller's thread spent writing rows, and taking and handing out
+    # buffers (the rest of its time in next(): mixing, packing, waiting for samples).
+    self._cpu = {"row_writing": 0.0, "hand_off": 0.0}
 
   def __next__(self) -> PackedBatch:
     self._assert_not_closed()
@@ -134,7 +138,9 @@ class BatchIterator(StageIterator):
       return self._rows, self._eras, position
 
   def _next_batch(self) -> PackedBatch:
+    began = time.thread_time()
     buffer = self._buffers.take()  # dropped, not reused, if this raises before hand_out
+    self._cpu["hand_off"] += time.thread_time() - began
     keys = []
     for b in range(self._batch_size):
       members = self._waiting(next, self._rows, None)
@@ -142,20 +148,32 @@ class BatchIterator(StageIterator):
         if b == 0:
           raise StopIteration
         break  # a finite stream's last batch: the remaining rows are empty
-      buffer.extents[b] = write_row(batch_row(buffer.arrays, b), [s.layout for s in members],
-                                    previous=buffer.extents[b])
+      self._write(buffer, b, [s.layout for s in members])
       keys.append(self._keys(members))
     for b in range(len(keys), self._batch_size):
-      buffer.extents[b] = write_row(batch_row(buffer.arrays, b), [],
-                                    previous=buffer.extents[b])
+      self._write(buffer, b, [])
+    began = time.thread_time()
     batch = self._buffers.hand_out(buffer)
     batch["sample_keys"] = keys + [()] * (self._batch_size - len(keys))
+    self._cpu["hand_off"] += time.thread_time() - began
     return batch
 
   @property
   def batch_size(self) -> int:
     """Rows per batch."""
     return self._batch_size
+
+  def _write(self, buffer, b: int, layouts) -> None:
+    began = time.thread_time()
+    buffer.extents[b] = write_row(batch_row(buffer.arrays, b), layouts,
+                                  previous=buffer.extents[b])
+    self._cpu["row_writing"] += time.thread_time() - began
+
+  def cpu_seconds(self) -> dict[str, float]:
+    """CPU seconds of the calling thread so far in writing rows ("row_writing") and in taking
+    and handing out batch buffers ("hand_off"): the parts of the main process's work per
+    row that are not mixing and packing (the bench's split)."""
+    return dict(self._cpu)
 
   def buffer_stats(self) -> dict[str, int]:
     """The batch buffers: pooled (and their bytes), held by the caller, reused, allocated."""

@@ -114,7 +114,7 @@ def measure_pipeline(cfg: PipelineConfig, tokenizer, *, workers: int, batch_size
     results, keys_by_window = [], []
     cpu_start, wall_start, rows_start = time.process_time(), time.perf_counter(), \
         pipeline_stats(it)["rows"]
-    inline_start, threads_start = _inline_work(), _thread_cpu()
+    inline_start, threads_start, parts_start = _inline_work(), _thread_cpu(), it.cpu_seconds()
     fills, vit_use, vae_use, image_use = [], [], [], []
     for _ in range(windows):
       before = pipeline_stats(it)
@@ -142,6 +142,7 @@ def measure_pipeline(cfg: PipelineConfig, tokenizer, *, workers: int, batch_size
     cpu_s, wall_s = time.process_time() - cpu_start, time.perf_counter() - wall_start
     inline_elements, inline_cpu_s = (b - a for a, b in zip(inline_start, _inline_work()))
     threads_cpu = {k: v - threads_start.get(k, 0.0) for k, v in _thread_cpu().items()}
+    parts_cpu = _parts(threads_cpu, {k: v - parts_start[k] for k, v in it.cpu_seconds().items()})
     stats = pipeline_stats(it)
     rows = stats["rows"] - rows_start
     memory = memory_split(it, stats, rss_before_build)
@@ -188,6 +189,7 @@ def measure_pipeline(cfg: PipelineConfig, tokenizer, *, workers: int, batch_size
       "main_decoded_samples": inline_elements,
       "main_decode_cpu_s_per_row": per_row(inline_cpu_s),
       "main_cpu_s_per_row_by_thread": {k: per_row(v) for k, v in threads_cpu.items()},
+      "main_cpu_s_per_row_by_part": {k: per_row(v) for k, v in parts_cpu.items()},
       "memory": memory,
       "row_fill": float(np.mean(fills)),
       "vit_slot_use": float(np.mean(vit_use)),
@@ -209,6 +211,17 @@ def _thread_cpu() -> dict[str, float]:
   for t in psutil.Process().threads():
     out[kinds.get(names.get(t.id, ""), "other")] += t.user_time + t.system_time
   return out
+
+
+def _parts(threads: dict[str, float], batching: dict[str, float]) -> dict[str, float]:
+  """The main process's CPU by part of the work on a row: receiving samples (the pump),
+  placement (the caller's thread: mixing, packing, the fetcher's bookkeeping), row writing,
+  batch hand-off (taking and handing out buffers), decoding (samples no worker had
+  picked up), the rest (read-ahead, Grain's threads)."""
+  writing, hand_off = batching["row_writing"], batching["hand_off"]
+  return {"pump": threads["pump"], "placement": max(0.0, threads["main"] - writing - hand_off),
+          "row writing": writing, "hand-off": hand_off, "decoding": threads["decode"],
+          "other": threads["other"]}
 
 
 def _inline_work() -> tuple[int, float]:
@@ -460,8 +473,8 @@ def format_table(report: dict[str, Any]) -> str:
   lines.append("(host rows/s implied = 1 / main CPU s per row: where the main process alone "
                "would be saturated; CPU of all its threads, over the timed windows)")
   for r in report["runs"]:
-    split = ", ".join(f"{k} {v * 1e3:.1f}" for k, v in r["main_cpu_s_per_row_by_thread"].items())
-    lines.append(f"workers={r['workers']}: main CPU ms per row by thread: {split}")
+    split = ", ".join(f"{k} {v * 1e3:.1f}" for k, v in r["main_cpu_s_per_row_by_part"].items())
+    lines.append(f"workers={r['workers']}: main CPU ms per row by part: {split}")
   for r in report["runs"]:
     shares = ", ".join(f"{k} {v:.0%}" for k, v in r["main_process_time_share"].items())
     lines.append(f"workers={r['workers']}: main process time: {shares}")

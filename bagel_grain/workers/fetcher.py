@@ -16,7 +16,10 @@ computes the next element of the group just asked for (`INLINE_AHEAD`), so the
 packer's own work on a row overlaps a decode instead of alternating with it.
 
 A thread of the main process (the pump) hands jobs to the workers and drains their
-results as soon as they are sent, so a worker never waits on a busy packer. Each
+results as soon as they are sent, so a worker never waits on a busy packer. A result's
+arrays arrive as views of the worker's shared-memory slab (`workers/slab.py`), so the
+pump moves metadata, not pixels; it gives each worker back the regions of its slab
+that nothing references any more. Each
 worker has a socket of its own (not a shared result queue): a worker that dies,
 even halfway through sending a result, closes the only writer of its socket, so
 the pump sees end-of-file or the process sentinel and the packer gets a
@@ -56,6 +59,7 @@ JOBS_PER_WORKER = 4  # handed out ahead, so a worker never idles between results
 INLINE_AHEAD = 1  # without workers: next elements of a group computed while the packer packs
 INLINE_READ_AHEAD = 8  # with workers: untaken elements whose reads the inline thread starts
 _POLL_S = 1.0
+_DRAINING = object()  # `_awaited` while reset() waits for every element handed out
 
 
 class _Failure:
@@ -97,11 +101,16 @@ class Fetcher:
     self._failure: str | None = None
     self._closed = False
     self._abandoned = threading.Event()  # set at close: the inline thread's reads stop retrying
-    self._cond = threading.Condition()
+    # One lock, two conditions: the caller waits for results (`_cond`, notified only for
+    # the element it waits for: `_awaited`), the inline thread for work (`_queued`).
+    lock = threading.RLock()
+    self._cond, self._queued = threading.Condition(lock), threading.Condition(lock)
+    self._awaited: tuple[int, int] | object | None = None
     self._inline_queue: collections.deque[tuple[int, int]] = collections.deque()
     self._inline_key: tuple[int, int] | None = None
     self._inline_since = 0.0
     self._read_ahead_started = False  # see _untaken
+    self._wake_pending = False  # a byte is on its way to the pump (see _wake_once)
     # Elements computed in this process, and the CPU seconds they took (for reports).
     self.inline_elements, self.inline_cpu_s = 0, 0.0
     self._pump: threading.Thread | None = None
@@ -136,12 +145,14 @@ class Fetcher:
     self._check_owner()
     with self._cond:
       if self._pump is not None:
-        for ahead in range(self._depths[group] + 1):
-          self._want(group, index + ahead)
+        wanted = [self._want(group, index + ahead) for ahead in range(self._depths[group] + 1)]
+        wake = any(wanted) and self._wake_once()
       else:  # the one asked for first, then the next ones
         for ahead in range(INLINE_AHEAD + 1):
           self._queue_inline(group, index + ahead, first=ahead == 0)
-    self._wake_pump()
+        wake = False
+    if wake:
+      self._wake.send_bytes(b"")
     return self._take((group, index))
 
   def get_many(self, keys: Sequence[tuple[int, int]]) -> list[Any]:
@@ -149,20 +160,29 @@ class Fetcher:
     self._check_owner()
     keys = [(int(g), int(i)) for g, i in keys]
     with self._cond:
-      for key in keys:
-        self._want(*key)
-    self._wake_pump()
+      wanted = [self._want(*key) for key in keys]
+      wake = self._pump is not None and any(wanted) and self._wake_once()
+    if wake:
+      self._wake.send_bytes(b"")
     return [self._take(key) for key in keys]
 
-  def _wake_pump(self) -> None:
-    if self._pump is not None:
-      self._wake.send_bytes(b"")
+  def _wake_once(self) -> bool:
+    """Whether the caller should wake the pump: not if a wake it has not seen yet is under
+    way (a syscall per element was a tenth of the main thread's time). The pump clears
+    the flag, under the lock, just before it dispatches (caller holds the lock)."""
+    wake, self._wake_pending = not self._wake_pending, True
+    return wake
 
-  def _want(self, group: int, index: int) -> None:
+  def _want(self, group: int, index: int) -> bool:
+    """Adds the element to those pending; True when a worker could take it now (the pump
+    has to be woken: else the next result from its worker wakes it)."""
     key = (group, index)
-    if (index < len(self._datasets[group]) and key not in self._done
-        and not self._assigned(key)):
-      self._pending.setdefault(key, None)
+    if (index >= len(self._datasets[group]) or key in self._done or key in self._pending
+        or self._assigned(key)):
+      return False
+    self._pending[key] = None
+    w = self._workers[readahead.owner(index, len(self._workers))] if self._workers else None
+    return w is not None and w.stage == "ready" and len(w.jobs) < JOBS_PER_WORKER
 
   def _queue_inline(self, group: int, index: int, *, first: bool = False) -> None:
     """Queues an element for the inline thread, after those queued, or (`first`) before
@@ -177,7 +197,7 @@ class Fetcher:
       self._inline_queue.appendleft(key)
     else:
       self._inline_queue.append(key)
-    self._cond.notify_all()
+    self._queued.notify()
 
   def _assigned(self, key: tuple[int, int]) -> bool:
     """Handed to a worker or to the inline thread (caller holds the lock)."""
@@ -185,22 +205,29 @@ class Fetcher:
             or any(key in w.jobs for w in self._workers))
 
   def _take(self, key: tuple[int, int]) -> Any:
+    """Waits for the element. The pump wakes only the thread that waits for the element it
+    received (`_awaited`): a second thread waiting at the same time would see its element
+    at the next poll; the packer's calls are one thread's at a time."""
     began = time.monotonic()
     with self._cond:
-      while True:
-        self._check_inline_deadline()
-        self._check()
-        if key in self._done:
-          value = self._done.pop(key)
-          if isinstance(value, _Failure):
-            if value.stale(began):
-              continue  # not assigned any more: computed again below
-            raise value.error
-          return value
-        if not self._assigned(key):
-          self._pending.pop(key, None)  # no worker has it: do it here rather than wait
-          self._queue_inline(*key, first=True)
-        self._cond.wait(_POLL_S)
+      try:
+        while True:
+          self._check_inline_deadline()
+          self._check()
+          if key in self._done:
+            value = self._done.pop(key)
+            if isinstance(value, _Failure):
+              if value.stale(began):
+                continue  # not assigned any more: computed again below
+              raise value.error
+            return value
+          if not self._assigned(key):
+            self._pending.pop(key, None)  # no worker has it: do it here rather than wait
+            self._queue_inline(*key, first=True)
+          self._awaited = key
+          self._cond.wait(_POLL_S)
+      finally:
+        self._awaited = None
 
   def _check(self) -> None:
     if self._failure is not None:
@@ -233,7 +260,7 @@ class Fetcher:
     while True:
       with self._cond:
         while not self._inline_queue and not self._closed:
-          self._cond.wait()
+          self._queued.wait()
         key = None if self._closed else self._inline_queue.popleft()
         self._inline_key, self._inline_since = key, time.monotonic()
         upcoming = {} if key is None or self._pump is None else self._untaken(key)
@@ -276,6 +303,7 @@ class Fetcher:
       with self._cond:
         if self._closed or self._failure is not None:
           return
+        self._wake_pending = False  # what was wanted until now is dispatched below
         self._dispatch()
         self._check_deadlines()
         watched = [w for w in self._workers if w.jobs or w.stage != "ready"]
@@ -291,22 +319,32 @@ class Fetcher:
 
   def _dispatch(self) -> None:
     """Hands each ready worker the pending elements it owns (`readahead.owner`): a worker
-    reads ahead exactly the records it will decode, so each is read by one process."""
+    reads ahead exactly the records it will decode, so each is read by one process. One
+    message per worker: its new jobs, and the regions of its slab given back."""
     for n, w in enumerate(self._workers):
-      while w.stage == "ready" and len(w.jobs) < JOBS_PER_WORKER:
-        key = next((k for k in self._pending
-                    if readahead.owner(k[1], len(self._workers)) == n), None)
-        if key is None:
+      if w.stage != "ready":
+        continue
+      jobs = []
+      for key in self._pending:
+        if len(w.jobs) + len(jobs) >= JOBS_PER_WORKER:
           break
-        del self._pending[key]
-        try:
-          w.conn.send(key)
-        except OSError:  # the worker is gone
+        if readahead.owner(key[1], len(self._workers)) == n:
+          jobs.append(key)
+      freed = w.slab.take_freed() if w.slab is not None else []
+      if not jobs and not freed:
+        continue
+      try:
+        w.conn.send((jobs, freed))
+      except OSError:  # the worker is gone
+        if jobs:
           self._fail(f"{w.describe_exit()} before it was given work")
           return
-        if not w.jobs:
-          w.since = time.monotonic()
-        w.jobs.append(key)
+        continue  # its exit is reported by the pump
+      for key in jobs:
+        del self._pending[key]
+      if jobs and not w.jobs:
+        w.since = time.monotonic()
+      w.jobs.extend(jobs)
 
   def _check_deadlines(self) -> None:
     now = time.monotonic()
@@ -326,7 +364,7 @@ class Fetcher:
           message, *_, held = w.conn.recv()
           w.memory["at_" + message] = held
           return self._starting(w, message)
-        status, key, value, spent, w.memory["now"] = recv(w.conn)
+        status, key, value, spent, w.memory["now"] = recv(w.conn, w.slab)
       except (EOFError, OSError):
         return self._exited(w)
       storage.COUNTS.add(self._names[key[0]], spent)
@@ -340,7 +378,8 @@ class Fetcher:
                      f"{w.process.pid}:\n{value}")
           return False
         self._done[key] = value
-        self._cond.notify_all()
+        if self._awaited == key or self._awaited is _DRAINING:
+          self._cond.notify_all()
     elif w.process.sentinel in ready:
       return self._exited(w)
     return True
@@ -370,8 +409,7 @@ class Fetcher:
     """Sends a worker its share of the elements and its datasets; blocks only this thread
     while the worker reads."""
     try:
-      w.conn.send((self._workers.index(w), len(self._workers)))
-      w.conn.send_bytes(self._payload)
+      w.hand_over(self._workers.index(w), len(self._workers), self._payload)
     except (OSError, ValueError):
       pass  # the worker exited (the pump reports it) or the fetcher was closed
 
@@ -396,6 +434,7 @@ class Fetcher:
     if self._failure is None:
       self._failure = message
     self._cond.notify_all()
+    self._queued.notify_all()
 
   # -- lifecycle ---------------------------------------------------------------
 
@@ -405,10 +444,14 @@ class Fetcher:
     with self._cond:
       self._pending.clear()
       self._inline_queue.clear()
-      while self._failure is None and (
-          self._inline_key is not None or any(w.jobs for w in self._workers)):
-        self._check_inline_deadline()
-        self._cond.wait(_POLL_S)
+      self._awaited = _DRAINING
+      try:
+        while self._failure is None and (
+            self._inline_key is not None or any(w.jobs for w in self._workers)):
+          self._check_inline_deadline()
+          self._cond.wait(_POLL_S)
+      finally:
+        self._awaited = None
       self._done.clear()
 
   def close(self) -> None:
@@ -427,6 +470,7 @@ class Fetcher:
       self._closed = True
       self._abandoned.set()
       self._cond.notify_all()
+      self._queued.notify_all()
     if self._pump is not None:
       self._wake.send_bytes(b"")
       self._pump.join()
@@ -450,6 +494,7 @@ class Fetcher:
         w.process.kill()
         w.process.join()
       w.conn.close()
+      w.close_slab()
     self._pending.clear()
     self._done.clear()
     close_read_ahead(self._datasets)

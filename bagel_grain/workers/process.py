@@ -1,5 +1,6 @@
 """Worker processes: how one is spawned, started and told its jobs, and the wire format
-of its results (pickle protocol 5, arrays out of band, over a socket of its own).
+of its results (pickle protocol 5, arrays out of band: in the worker's shared-memory
+slab, `workers/slab.py`, or where it has no room, over the worker's socket).
 
 Start-up: a worker is spawned with nothing but its socket (multiprocessing writes
 the process object into a pipe and blocks until the child reads it: a child that
@@ -8,11 +9,16 @@ parent forever). It reports once it runs our code, and only then do the datasets
 pickled once, go over its socket (`Fetcher` sends them from a thread of its own).
 Workers ignore SIGINT (the main process decides what a Ctrl-C means), run at a
 lower priority, and leave quietly when the main process goes away.
+
+Messages to a worker: its share and slab size, its datasets, the slab itself (a file
+descriptor), then `(jobs, freed)` (elements to compute, as `(group, index)`, and the
+regions of its slab the main process let go of), or None (stop).
 """
 
 from __future__ import annotations
 
 import collections
+import multiprocessing.reduction
 import multiprocessing.resource_tracker
 import os
 import pickle
@@ -24,6 +30,7 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 from bagel_grain import held_memory, storage
+from bagel_grain.workers import slab as slabs
 from bagel_grain.sources import readahead
 from bagel_grain.errors import BagelGrainError, StorageUnavailableError
 
@@ -53,28 +60,35 @@ def _held_memory() -> dict[str, int]:
 
 
 def send(conn: Connection, status: str, job: tuple[int, int], value: Any,
-         spent: storage.ElementStorage) -> None:
-  """Pickle protocol 5 with the arrays' buffers sent out of band: no copy into the pickle.
+         spent: storage.ElementStorage, slab: slabs.WorkerSlab | None = None) -> None:
+  """Pickle protocol 5 with the arrays' buffers out of band: copied once into `slab` when
+  it has room (the main process maps it), else sent over the socket; never into the pickle.
 
   `status` is "ok" (value: the element), "retry" (value: the StorageUnavailableError
   that a later attempt may not meet) or "error" (value: a traceback, the stream stops);
-  `spent` is what storage cost computing it. The header also carries what the worker
-  holds (`held_memory.snapshot()`, at most a second old), for reports."""
+  `spent` is what storage cost computing it. The header also carries where the buffers
+  lie in the slab (or None) and what the worker holds (`held_memory.snapshot()`, at
+  most a second old), for reports."""
   buffers: list[pickle.PickleBuffer] = []
   payload = pickle.dumps(value, protocol=5, buffer_callback=buffers.append)
-  conn.send((status, job, len(buffers), spent.retries, spent.wait_s, _held_memory()))
-  conn.send_bytes(payload)
-  for buffer in buffers:
-    conn.send_bytes(buffer.raw())
+  placed = slab.place(buffers) if slab is not None and buffers else None
+  conn.send((status, job, len(buffers), spent.retries, spent.wait_s, placed, _held_memory(),
+             payload))  # one message: with the arrays placed, a few KiB
+  if placed is None:
+    for buffer in buffers:
+      conn.send_bytes(buffer.raw())
 
 
-def recv(conn: Connection) -> tuple[str, tuple[int, int], Any, storage.ElementStorage,
-                                   dict[str, int]]:
-  """What `send` sent: status, job, value, storage cost, and the worker's memory held."""
-  status, job, count, retries, wait_s, held = conn.recv()
-  payload = conn.recv_bytes()
-  buffers = [conn.recv_bytes() for _ in range(count)]
-  value = pickle.loads(payload, buffers=buffers)  # arrays view the bytes
+def recv(conn: Connection, slab: slabs.MainSlab | None = None
+         ) -> tuple[str, tuple[int, int], Any, storage.ElementStorage, dict[str, int]]:
+  """What `send` sent: status, job, value, storage cost, and the worker's memory held.
+  The value's arrays are read-only views of the slab, or of the bytes received."""
+  status, job, count, retries, wait_s, placed, held, payload = conn.recv()
+  if placed is not None:
+    buffers = slab.buffers(placed)
+  else:
+    buffers = [conn.recv_bytes() for _ in range(count)]
+  value = pickle.loads(payload, buffers=buffers)
   return status, tuple(job), value, storage.ElementStorage(retries, wait_s), held
 
 
@@ -101,8 +115,11 @@ def _worker_main(conn: Connection) -> None:
     _widen(conn)
     conn.send(("hello", None, 0, 0, 0.0, held_memory.snapshot()))  # RSS after imports
     try:
-      readahead.set_share(tuple(conn.recv()))  # the elements this worker decodes
+      share, count, slab_bytes = conn.recv()
+      readahead.set_share((share, count))  # the elements this worker decodes
       datasets = pickle.loads(conn.recv_bytes())
+      slab = slabs.worker_side(multiprocessing.reduction.recv_handle(conn), slab_bytes
+                               ) if slab_bytes else None
     except (EOFError, OSError):
       return
     except BaseException:  # pylint: disable=broad-except  # reported, then this worker ends
@@ -111,18 +128,22 @@ def _worker_main(conn: Connection) -> None:
       return
     conn.send(("ready", None, 0, 0, 0.0, held_memory.snapshot()))  # and datasets loaded
     while True:
-      job = conn.recv()
-      if job is None:
+      message = conn.recv()
+      if message is None:
         return
-      group, index = job
-      with storage.element_scope() as spent:
-        try:
-          status, value = "ok", datasets[group][index]
-        except StorageUnavailableError as e:  # the main process raises it; a retry may pass
-          status, value = "retry", e
-        except Exception:  # pylint: disable=broad-except  # reported, then the stream stops
-          status, value = "error", traceback.format_exc()
-      send(conn, status, job, value, spent)
+      jobs, freed = message
+      if freed:
+        slab.free(freed)
+      for job in jobs:
+        group, index = job
+        with storage.element_scope() as spent:
+          try:
+            status, value = "ok", datasets[group][index]
+          except StorageUnavailableError as e:  # the main process raises it; a retry may pass
+            status, value = "retry", e
+          except Exception:  # pylint: disable=broad-except  # reported, then the stream stops
+            status, value = "error", traceback.format_exc()
+        send(conn, status, job, value, spent, slab)
   except (EOFError, OSError):
     return  # the main process closed our socket or went away
 
@@ -152,6 +173,34 @@ class Worker:
     self.since = time.monotonic()  # start of the current stage, or of the job in hand
     self.jobs: collections.deque[tuple[int, int]] = collections.deque()
     self.memory: dict[str, dict[str, int]] = {}  # see Fetcher.worker_memory
+    # Its slab: this process maps it now; the descriptor goes to the worker at hand-over.
+    self.slab_fd = slabs.create()
+    self.slab = slabs.main_side(self.slab_fd, slabs.SLAB_BYTES)
+    if self.slab is None and self.slab_fd is not None:  # no room to map it: the socket only
+      os.close(self.slab_fd)
+      self.slab_fd = None
+
+  def hand_over(self, share: int, count: int, payload: bytes) -> None:
+    """Sends the worker its share of the elements, its datasets and its slab; blocks until
+    the worker has read them (call from a thread of its own)."""
+    fd, self.slab_fd = self.slab_fd, None
+    try:
+      self.conn.send((share, count, slabs.SLAB_BYTES if fd is not None else 0))
+      self.conn.send_bytes(payload)
+      if fd is not None:
+        multiprocessing.reduction.send_handle(self.conn, fd, self.process.pid)
+    finally:
+      if fd is not None:
+        os.close(fd)  # the worker holds its own; the mapping here stays
+
+  def close_slab(self) -> None:
+    """Lets go of the slab here: its descriptor if never handed over; the mapping stays
+    until the last array that views it is gone."""
+    if self.slab_fd is not None:
+      os.close(self.slab_fd)
+      self.slab_fd = None
+    self.slab = None
+
 
   def describe_exit(self) -> str:
     self.process.join(timeout=1)  # so that its exit code is known
