@@ -172,15 +172,18 @@ def local_epoch(demo_dir, demo_tokenizer):
 
 
 def _run_epoch(cfg, tokenizer, workers: int, root: str, demo_dir, *, after_first=None,
-               on_storage_error=None):
+               on_storage_error=None, before_first=None):
   """(Counter of packed (group, record), pipeline_stats, storage errors met) of one epoch.
 
-  `after_first()` runs after the first batch (to start a fault mid-run). A
+  `before_first()` runs once the pipeline is built, `after_first()` after the first
+  batch (to start a fault mid-run). A
   StorageUnavailableError is checked to leave the iterator's state as it was; then
   `on_storage_error()` runs and next() is called again."""
   it = iter(build_pipeline(cfg, tokenizer, batch_size=2, workers=workers))
   keys, errors = collections.Counter(), []
   try:
+    if before_first is not None:
+      before_first()
     while True:
       before = it.get_state()
       try:
@@ -549,10 +552,11 @@ def test_a_jsonl_object_changed_after_the_build_drops_its_lines_whatever_the_wor
     store.upload_file(demo_dir / "vlm" / "sft.jsonl", "demo/vlm/sft.jsonl")
 
 
-@pytest.mark.parametrize("bucket, workers", [("s3", 0), ("s3", 2), ("gcs", 0)],
-                         indirect=["bucket"])
+@pytest.mark.parametrize("bucket, workers, when", [
+    ("s3", 0, "after_first"), ("s3", 2, "after_first"), ("s3", 0, "before_first"),
+    ("s3", 2, "before_first"), ("gcs", 0, "before_first")], indirect=["bucket"])
 def test_objects_uploaded_again_with_the_same_bytes_lose_no_record(
-    bucket, workers, demo_dir, demo_tokenizer, local_epoch, monkeypatch):
+    bucket, workers, when, demo_dir, demo_tokenizer, local_epoch, monkeypatch):
   # The issue's S3 server restarted mid-run, the same objects uploaded again: 37 of 166
   # records were dropped with 2 workers (none with 0), the upload time having changed.
   store, root = bucket
@@ -564,7 +568,7 @@ def test_objects_uploaded_again_with_the_same_bytes_lose_no_record(
     store.upload(str(demo_dir), "demo")
 
   keys, stats, errors = _run_epoch(_epoch_config(root, demo_dir), demo_tokenizer, workers,
-                                   root, demo_dir, after_first=upload_again)
+                                   root, demo_dir, **{when: upload_again})
   assert not errors and keys == local_epoch
   assert all(not d for d in stats["drops"].values())
 
@@ -580,3 +584,24 @@ def test_the_build_lists_each_parquet_folder_once(bucket, demo_dir, demo_tokeniz
   listings = {t: n for t, n in proxy.targets().items()  # (not the 1-key probes of `is_dir`)
               if "list-type=2" in t and "delimiter=/" in t and "prefix=demo/t2i/" in t}
   assert sum(listings.values()) == 1, listings
+
+
+@pytest.mark.parametrize("bucket", ["s3"], indirect=True)
+def test_parquet_rows_are_read_pinned_to_the_listing(bucket, demo_dir, monkeypatch):
+  from bagel_grain.drops import Drop  # pylint: disable=import-outside-toplevel
+  from bagel_grain.sources.parquet import dataset_source  # pylint: disable=import-outside-toplevel
+  store, _ = bucket
+  for name, value in store.environment().items():
+    monkeypatch.setenv(name, value)
+  first, second = sorted((demo_dir / "t2i").glob("*.parquet"))[:2]
+  store.upload_file(first, "pinned_t2i/a.parquet")
+  before = dataset_source(store.uri("pinned_t2i"), None, ["image"])
+  untouched = dataset_source(store.uri("pinned_t2i"), None, ["image"])
+  time.sleep(1.1)  # a new upload time, to the second of S3's clock
+  store.upload_file(first, "pinned_t2i/a.parquet")  # the same bytes: read on
+  assert before[0]["image"] == untouched[0]["image"]
+  fresh = dataset_source(store.uri("pinned_t2i"), None, ["image"])
+  store.upload_file(second, "pinned_t2i/a.parquet")  # other bytes: the rows are refused
+  with pytest.raises(Drop, match="changed since the stream was built") as e:
+    fresh[0]  # pylint: disable=pointless-statement
+  assert e.value.reason == "unreadable_file"
