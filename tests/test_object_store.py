@@ -372,11 +372,11 @@ CLIP = "vlm/videos/clip1/"  # a frame folder named by one record
 
 
 def _proxied(bucket, monkeypatch):
-  """(server, demo URI, a fault proxy in front of the server that the client goes through)."""
+  """(demo URI, a fault proxy in front of the server that the client goes through)."""
   store, root = bucket
   proxy = store.fault_proxy()
   _through(proxy, store, monkeypatch)
-  return store, root, proxy
+  return root, proxy
 
 
 def _naming(demo_dir, path: str) -> collections.Counter:
@@ -398,7 +398,7 @@ def test_a_stalled_read_ends_as_the_storage_error_and_every_record_is_packed_onc
   # 1000 bytes short of its length, then silence. The issue's storage_timeout_s 24 and
   # element_timeout_s 30, scaled down: the deadline must hold inside the read, and cover
   # the read ahead, or the fetcher's fatal WorkerError comes first.
-  store, root, proxy = _proxied(bucket, monkeypatch)
+  root, proxy = _proxied(bucket, monkeypatch)
   proxy.fault(fault, match=IMAGE)
   cfg = _epoch_config(root, demo_dir, storage_timeout_s=2, element_timeout_s=2.5)
   keys, _, errors = _run_epoch(cfg, demo_tokenizer, workers, root, demo_dir,
@@ -410,7 +410,7 @@ def test_a_stalled_read_ends_as_the_storage_error_and_every_record_is_packed_onc
 
 @pytest.mark.parametrize("bucket", ["s3", "gcs"], indirect=True)
 def test_a_claim_of_a_terabyte_is_refused_before_its_body_is_read(bucket, monkeypatch):
-  store, root, proxy = _proxied(bucket, monkeypatch)
+  root, proxy = _proxied(bucket, monkeypatch)
   proxy.fault("huge", match=IMAGE)
   with pytest.raises(fs.FileRefused, match="1000000000000 bytes > 1048576 bytes"):
     fs.read_file(f"{root}/{IMAGE}", 1 << 20)
@@ -424,7 +424,7 @@ def test_a_claim_of_a_terabyte_is_refused_before_its_body_is_read(bucket, monkey
 @pytest.mark.parametrize("bucket, workers", [("s3", 0), ("s3", 2)], indirect=["bucket"])
 def test_a_huge_object_is_dropped_as_file_too_large_and_the_rest_packed_once(
     bucket, workers, demo_dir, demo_tokenizer, local_epoch, monkeypatch):
-  store, root, proxy = _proxied(bucket, monkeypatch)
+  root, proxy = _proxied(bucket, monkeypatch)
   proxy.fault("huge", match=IMAGE)
   keys, stats, errors = _run_epoch(_epoch_config(root, demo_dir), demo_tokenizer, workers,
                                    root, demo_dir)
@@ -435,7 +435,7 @@ def test_a_huge_object_is_dropped_as_file_too_large_and_the_rest_packed_once(
 
 @pytest.mark.parametrize("bucket", ["s3", "gcs"], indirect=True)
 def test_a_listing_that_repeats_its_token_is_refused_not_followed(bucket, monkeypatch):
-  store, root, proxy = _proxied(bucket, monkeypatch)
+  root, proxy = _proxied(bucket, monkeypatch)
   proxy.fault("loop_list", match=f"prefix=demo/{CLIP}")
   with pytest.raises(fs.BadListing, match="pages in circles"):
     fs.list_files(f"{root}/{CLIP}")
@@ -448,7 +448,7 @@ def test_a_listing_that_repeats_its_token_is_refused_not_followed(bucket, monkey
     ("gcs", "many_keys", "too_many_video_frames")], indirect=["bucket"])
 def test_a_runaway_frame_folder_listing_is_a_drop_and_the_rest_packed_once(
     bucket, fault, reason, demo_dir, demo_tokenizer, local_epoch, monkeypatch):
-  store, root, proxy = _proxied(bucket, monkeypatch)
+  root, proxy = _proxied(bucket, monkeypatch)
   proxy.fault(fault, match=f"prefix=demo/{CLIP}")
   keys, stats, errors = _run_epoch(_epoch_config(root, demo_dir), demo_tokenizer, 0, root,
                                    demo_dir)
@@ -462,7 +462,7 @@ def test_a_runaway_frame_folder_listing_is_a_drop_and_the_rest_packed_once(
 @pytest.mark.parametrize("bucket", ["s3"], indirect=True)
 def test_a_redirect_to_another_host_is_not_followed_and_sends_it_nothing(
     bucket, demo_dir, demo_tokenizer, local_epoch, monkeypatch):
-  store, root, proxy = _proxied(bucket, monkeypatch)
+  root, proxy = _proxied(bucket, monkeypatch)
   monkeypatch.setenv("AWS_SESSION_TOKEN", "secret-session-token")
   proxy.fault("redirect", match=IMAGE)
   with pytest.raises(PermissionError, match="redirects .307. to 127.0.0.2"):
@@ -504,7 +504,7 @@ def test_a_stuck_read_keeps_neither_close_nor_the_interpreter_exit_waiting(
 @pytest.mark.parametrize("bucket", ["s3", "gcs"], indirect=True)
 def test_a_pinned_read_gives_the_listed_bytes_or_a_definite_change(bucket, tmp_path,
                                                                    monkeypatch):
-  store, root = bucket
+  store, _ = bucket
   for name, value in store.environment().items():
     monkeypatch.setenv(name, value)
   local = tmp_path / "a.txt"
@@ -575,7 +575,7 @@ def test_objects_uploaded_again_with_the_same_bytes_lose_no_record(
 
 @pytest.mark.parametrize("bucket", ["s3"], indirect=True)
 def test_the_build_lists_each_parquet_folder_once(bucket, demo_dir, demo_tokenizer, monkeypatch):
-  store, root, proxy = _proxied(bucket, monkeypatch)
+  root, proxy = _proxied(bucket, monkeypatch)
   it = iter(build_pipeline(_remote_config(root, demo_dir), demo_tokenizer, batch_size=2))
   try:
     it.get_state()  # the state carries each dataset's manifest
