@@ -275,8 +275,8 @@ def read_file(path: str, max_bytes: int | None, pin: FileInfo | None = None) -> 
     except http.BodyTooLarge as e:
       size = f"{e.size} bytes >" if e.size is not None else "more than"
       raise FileRefused(f"{path}: {size} {max_bytes} bytes", regular=True) from None
-    except http.PreconditionFailed as e:
-      raise ObjectChanged(f"{path} changed since it was listed: {e}") from None
+    except http.PreconditionFailed:
+      raise ObjectChanged(_changed(path, pin)) from None
   else:
     limit = -1 if max_bytes is None else max_bytes + 1  # one byte more tells it grew
     info = os.stat(path)
@@ -289,6 +289,11 @@ def read_file(path: str, max_bytes: int | None, pin: FileInfo | None = None) -> 
       data = f.read(limit)
   _check_file(path, True, len(data), max_bytes)
   return data
+
+
+def _changed(path: str, pin: FileInfo | None) -> str:
+  seen = pin and (f"ETag {pin.etag}" if pin.etag else f"generation {pin.generation}")
+  return f"{path} changed since it was listed (the store no longer has the {seen} listed)"
 
 
 def _check_pin(path: str, size: int, mtime_ns: int, pin: FileInfo | None) -> None:
@@ -312,8 +317,8 @@ def read_range(path: str, offset: int, length: int, pin: FileInfo | None = None)
   try:
     return client.get(bucket, key, max_bytes=length, first=offset, last=offset + length - 1,
                       pin=pin)
-  except http.PreconditionFailed as e:
-    raise ObjectChanged(f"{path} changed since it was listed: {e}") from None
+  except http.PreconditionFailed:
+    raise ObjectChanged(_changed(path, pin)) from None
   except http.HTTPStatusError as e:
     if e.status == 416:  # nothing at or past the end
       return b""

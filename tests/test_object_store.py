@@ -172,15 +172,18 @@ def local_epoch(demo_dir, demo_tokenizer):
 
 
 def _run_epoch(cfg, tokenizer, workers: int, root: str, demo_dir, *, after_first=None,
-               on_storage_error=None):
+               on_storage_error=None, before_first=None):
   """(Counter of packed (group, record), pipeline_stats, storage errors met) of one epoch.
 
-  `after_first()` runs after the first batch (to start a fault mid-run). A
+  `before_first()` runs once the pipeline is built, `after_first()` after the first
+  batch (to start a fault mid-run). A
   StorageUnavailableError is checked to leave the iterator's state as it was; then
   `on_storage_error()` runs and next() is called again."""
   it = iter(build_pipeline(cfg, tokenizer, batch_size=2, workers=workers))
   keys, errors = collections.Counter(), []
   try:
+    if before_first is not None:
+      before_first()
     while True:
       before = it.get_state()
       try:
@@ -369,11 +372,11 @@ CLIP = "vlm/videos/clip1/"  # a frame folder named by one record
 
 
 def _proxied(bucket, monkeypatch):
-  """(server, demo URI, a fault proxy in front of the server that the client goes through)."""
+  """(demo URI, a fault proxy in front of the server that the client goes through)."""
   store, root = bucket
   proxy = store.fault_proxy()
   _through(proxy, store, monkeypatch)
-  return store, root, proxy
+  return root, proxy
 
 
 def _naming(demo_dir, path: str) -> collections.Counter:
@@ -395,7 +398,7 @@ def test_a_stalled_read_ends_as_the_storage_error_and_every_record_is_packed_onc
   # 1000 bytes short of its length, then silence. The issue's storage_timeout_s 24 and
   # element_timeout_s 30, scaled down: the deadline must hold inside the read, and cover
   # the read ahead, or the fetcher's fatal WorkerError comes first.
-  store, root, proxy = _proxied(bucket, monkeypatch)
+  root, proxy = _proxied(bucket, monkeypatch)
   proxy.fault(fault, match=IMAGE)
   cfg = _epoch_config(root, demo_dir, storage_timeout_s=2, element_timeout_s=2.5)
   keys, _, errors = _run_epoch(cfg, demo_tokenizer, workers, root, demo_dir,
@@ -407,7 +410,7 @@ def test_a_stalled_read_ends_as_the_storage_error_and_every_record_is_packed_onc
 
 @pytest.mark.parametrize("bucket", ["s3", "gcs"], indirect=True)
 def test_a_claim_of_a_terabyte_is_refused_before_its_body_is_read(bucket, monkeypatch):
-  store, root, proxy = _proxied(bucket, monkeypatch)
+  root, proxy = _proxied(bucket, monkeypatch)
   proxy.fault("huge", match=IMAGE)
   with pytest.raises(fs.FileRefused, match="1000000000000 bytes > 1048576 bytes"):
     fs.read_file(f"{root}/{IMAGE}", 1 << 20)
@@ -421,7 +424,7 @@ def test_a_claim_of_a_terabyte_is_refused_before_its_body_is_read(bucket, monkey
 @pytest.mark.parametrize("bucket, workers", [("s3", 0), ("s3", 2)], indirect=["bucket"])
 def test_a_huge_object_is_dropped_as_file_too_large_and_the_rest_packed_once(
     bucket, workers, demo_dir, demo_tokenizer, local_epoch, monkeypatch):
-  store, root, proxy = _proxied(bucket, monkeypatch)
+  root, proxy = _proxied(bucket, monkeypatch)
   proxy.fault("huge", match=IMAGE)
   keys, stats, errors = _run_epoch(_epoch_config(root, demo_dir), demo_tokenizer, workers,
                                    root, demo_dir)
@@ -432,7 +435,7 @@ def test_a_huge_object_is_dropped_as_file_too_large_and_the_rest_packed_once(
 
 @pytest.mark.parametrize("bucket", ["s3", "gcs"], indirect=True)
 def test_a_listing_that_repeats_its_token_is_refused_not_followed(bucket, monkeypatch):
-  store, root, proxy = _proxied(bucket, monkeypatch)
+  root, proxy = _proxied(bucket, monkeypatch)
   proxy.fault("loop_list", match=f"prefix=demo/{CLIP}")
   with pytest.raises(fs.BadListing, match="pages in circles"):
     fs.list_files(f"{root}/{CLIP}")
@@ -445,7 +448,7 @@ def test_a_listing_that_repeats_its_token_is_refused_not_followed(bucket, monkey
     ("gcs", "many_keys", "too_many_video_frames")], indirect=["bucket"])
 def test_a_runaway_frame_folder_listing_is_a_drop_and_the_rest_packed_once(
     bucket, fault, reason, demo_dir, demo_tokenizer, local_epoch, monkeypatch):
-  store, root, proxy = _proxied(bucket, monkeypatch)
+  root, proxy = _proxied(bucket, monkeypatch)
   proxy.fault(fault, match=f"prefix=demo/{CLIP}")
   keys, stats, errors = _run_epoch(_epoch_config(root, demo_dir), demo_tokenizer, 0, root,
                                    demo_dir)
@@ -459,7 +462,7 @@ def test_a_runaway_frame_folder_listing_is_a_drop_and_the_rest_packed_once(
 @pytest.mark.parametrize("bucket", ["s3"], indirect=True)
 def test_a_redirect_to_another_host_is_not_followed_and_sends_it_nothing(
     bucket, demo_dir, demo_tokenizer, local_epoch, monkeypatch):
-  store, root, proxy = _proxied(bucket, monkeypatch)
+  root, proxy = _proxied(bucket, monkeypatch)
   monkeypatch.setenv("AWS_SESSION_TOKEN", "secret-session-token")
   proxy.fault("redirect", match=IMAGE)
   with pytest.raises(PermissionError, match="redirects .307. to 127.0.0.2"):
@@ -501,7 +504,7 @@ def test_a_stuck_read_keeps_neither_close_nor_the_interpreter_exit_waiting(
 @pytest.mark.parametrize("bucket", ["s3", "gcs"], indirect=True)
 def test_a_pinned_read_gives_the_listed_bytes_or_a_definite_change(bucket, tmp_path,
                                                                    monkeypatch):
-  store, root = bucket
+  store, _ = bucket
   for name, value in store.environment().items():
     monkeypatch.setenv(name, value)
   local = tmp_path / "a.txt"
@@ -549,10 +552,11 @@ def test_a_jsonl_object_changed_after_the_build_drops_its_lines_whatever_the_wor
     store.upload_file(demo_dir / "vlm" / "sft.jsonl", "demo/vlm/sft.jsonl")
 
 
-@pytest.mark.parametrize("bucket, workers", [("s3", 0), ("s3", 2), ("gcs", 0)],
-                         indirect=["bucket"])
+@pytest.mark.parametrize("bucket, workers, when", [
+    ("s3", 0, "after_first"), ("s3", 2, "after_first"), ("s3", 0, "before_first"),
+    ("s3", 2, "before_first"), ("gcs", 0, "before_first")], indirect=["bucket"])
 def test_objects_uploaded_again_with_the_same_bytes_lose_no_record(
-    bucket, workers, demo_dir, demo_tokenizer, local_epoch, monkeypatch):
+    bucket, workers, when, demo_dir, demo_tokenizer, local_epoch, monkeypatch):
   # The issue's S3 server restarted mid-run, the same objects uploaded again: 37 of 166
   # records were dropped with 2 workers (none with 0), the upload time having changed.
   store, root = bucket
@@ -564,14 +568,14 @@ def test_objects_uploaded_again_with_the_same_bytes_lose_no_record(
     store.upload(str(demo_dir), "demo")
 
   keys, stats, errors = _run_epoch(_epoch_config(root, demo_dir), demo_tokenizer, workers,
-                                   root, demo_dir, after_first=upload_again)
+                                   root, demo_dir, **{when: upload_again})
   assert not errors and keys == local_epoch
   assert all(not d for d in stats["drops"].values())
 
 
 @pytest.mark.parametrize("bucket", ["s3"], indirect=True)
 def test_the_build_lists_each_parquet_folder_once(bucket, demo_dir, demo_tokenizer, monkeypatch):
-  store, root, proxy = _proxied(bucket, monkeypatch)
+  root, proxy = _proxied(bucket, monkeypatch)
   it = iter(build_pipeline(_remote_config(root, demo_dir), demo_tokenizer, batch_size=2))
   try:
     it.get_state()  # the state carries each dataset's manifest
@@ -580,3 +584,24 @@ def test_the_build_lists_each_parquet_folder_once(bucket, demo_dir, demo_tokeniz
   listings = {t: n for t, n in proxy.targets().items()  # (not the 1-key probes of `is_dir`)
               if "list-type=2" in t and "delimiter=/" in t and "prefix=demo/t2i/" in t}
   assert sum(listings.values()) == 1, listings
+
+
+@pytest.mark.parametrize("bucket", ["s3"], indirect=True)
+def test_parquet_rows_are_read_pinned_to_the_listing(bucket, demo_dir, monkeypatch):
+  from bagel_grain.drops import Drop  # pylint: disable=import-outside-toplevel
+  from bagel_grain.sources.parquet import dataset_source  # pylint: disable=import-outside-toplevel
+  store, _ = bucket
+  for name, value in store.environment().items():
+    monkeypatch.setenv(name, value)
+  first, second = sorted((demo_dir / "t2i").glob("*.parquet"))[:2]
+  store.upload_file(first, "pinned_t2i/a.parquet")
+  before = dataset_source(store.uri("pinned_t2i"), None, ["image"])
+  untouched = dataset_source(store.uri("pinned_t2i"), None, ["image"])
+  time.sleep(1.1)  # a new upload time, to the second of S3's clock
+  store.upload_file(first, "pinned_t2i/a.parquet")  # the same bytes: read on
+  assert before[0]["image"] == untouched[0]["image"]
+  fresh = dataset_source(store.uri("pinned_t2i"), None, ["image"])
+  store.upload_file(second, "pinned_t2i/a.parquet")  # other bytes: the rows are refused
+  with pytest.raises(Drop, match="changed since the stream was built") as e:
+    fresh[0]  # pylint: disable=pointless-statement
+  assert e.value.reason == "unreadable_file"

@@ -206,7 +206,7 @@ def test_one_read_larger_than_the_bound_is_admitted_alone():
 
 
 def test_a_failed_read_ahead_is_forgotten_at_once():
-  ahead = ReadAhead(threads=1, max_bytes=100)
+  ahead = ReadAhead(threads=1, max_threads=1, max_bytes=100)  # one thread: reads in turn
 
   def broken():
     raise OSError("AWS Error NETWORK_CONNECTION")

@@ -29,6 +29,7 @@ import dataclasses
 import heapq
 import http.client
 import itertools
+import re
 import socket
 import threading
 import time
@@ -298,6 +299,15 @@ def _connect(scheme: str, netloc: str, deadline: float) -> http.client.HTTPConne
   return conn
 
 
+def _what(body: str) -> str:
+  """What an error answer says, short: S3's `<Code>`, GCS's JSON message, or its start."""
+  code = re.search(r"<Code>([^<]{1,100})</Code>", body)
+  if code:
+    return code.group(1)
+  message = re.search(r'"message":\s*"([^"]{1,200})"', body)
+  return message.group(1) if message else body[:200]
+
+
 def _raise_for_status(response: Response, method: str) -> None:
   status, url = response.status, response.url
   if 300 <= status < 400:
@@ -314,7 +324,7 @@ def _raise_for_status(response: Response, method: str) -> None:
       text = ""
   else:
     response.close()
-  message = f"{url}: HTTP {status} {text[:500]}".strip()
+  message = f"{url}: HTTP {status} {_what(text)}".strip()
   if status == 404:
     raise FileNotFoundError(message)
   if status in (401, 403):
