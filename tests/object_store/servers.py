@@ -4,8 +4,9 @@
   It closes each connection after one answer; `fault_proxy` in front keeps client
   connections open, as real S3 does.
 - GCS: `gcp-storage-emulator` (the `test` extra), read by pyarrow's `GcsFileSystem`.
-  It answers one request at a time, from a queue of connections made longer here (with
-  its own 5, concurrent clients waited a second for a connection). It must run in a
+  It answers one connection at a time; here each connection gets a thread of its own,
+  and the queue of connections is made longer (with its own 5, concurrent clients
+  waited a second for a connection). It must run in a
   process of its own: with the emulator's thread in the reading process, pyarrow's GCS
   file reads stall for good (the reading call keeps the interpreter lock while it
   waits, so the emulator's thread never answers).
@@ -23,8 +24,10 @@ from __future__ import annotations
 
 import json
 import os
+import socketserver
 import subprocess
 import sys
+import types
 from typing import Any
 
 from pyarrow import fs as pafs
@@ -199,6 +202,14 @@ def _serve_gcs(bucket: str) -> None:
   # Its HTTPServer queues 5 connections: past that the kernel drops a client's SYN, and
   # the client waits a whole second to send it again. A real endpoint queues many.
   httpd.socket.listen(128)
+  # One thread per connection, as a real endpoint serves many at once: answering one
+  # connection at a time, a client that holds an answer unread (an abandoned read, a
+  # request past its deadline) kept every other request waiting until its own deadline.
+  httpd.daemon_threads, httpd.block_on_close = True, False
+  httpd._threads = socketserver._NoThreads()  # pylint: disable=protected-access
+  httpd.process_request_thread = types.MethodType(
+      socketserver.ThreadingMixIn.process_request_thread, httpd)
+  httpd.process_request = types.MethodType(socketserver.ThreadingMixIn.process_request, httpd)
   print(httpd.server_address[1], flush=True)
 
 
