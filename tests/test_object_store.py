@@ -22,6 +22,7 @@ from bagel_grain.configs import load_shipped
 from bagel_grain.errors import StorageUnavailableError
 from bagel_grain.pipeline import build_pipeline, pipeline_stats
 from bagel_grain.sources import identity, sidecar
+from bagel_grain.sources.jsonl import JsonlLineSource
 from bagel_grain.tokenizer import load_tokenizer
 from bagel_grain.tooling.cli import NoProgress
 from conftest import CONFIGS
@@ -550,6 +551,40 @@ def test_a_jsonl_object_changed_after_the_build_drops_its_lines_whatever_the_wor
   finally:
     it.close()
     store.upload_file(demo_dir / "vlm" / "sft.jsonl", "demo/vlm/sft.jsonl")
+
+
+@pytest.mark.parametrize("bucket", ["s3"], indirect=True)
+def test_lines_of_one_jsonl_object_are_read_at_the_same_time(bucket, demo_dir, monkeypatch):
+  # The read-ahead threads read many lines of one file at once. Read through pyarrow's
+  # PythonFile, whose `read_at` holds a lock across its request, they went one at a time:
+  # at 50 ms a request, 0 workers made 2.9 rows/s of the demo against 7.0 before.
+  store, root = bucket
+  for name, value in store.environment().items():
+    monkeypatch.setenv(name, value)
+  source = JsonlLineSource(f"{root}/vlm/sft.jsonl")
+  lines = (demo_dir / "vlm" / "sft.jsonl").read_bytes().split(b"\n")
+  both_asked = threading.Barrier(2, timeout=30)  # broken only when the reads queue
+  read_range = fs.read_range
+
+  def meeting(*args, **kwargs):
+    both_asked.wait()  # passes only once the other line's read has started too
+    return read_range(*args, **kwargs)
+
+  monkeypatch.setattr(fs, "read_range", meeting)
+  got, errors = {}, []
+
+  def read(i: int) -> None:
+    try:
+      got[i] = source[i]
+    except Exception as e:  # pylint: disable=broad-except  # asserted below
+      errors.append(e)
+
+  threads = [threading.Thread(target=read, args=(i,)) for i in (0, 1)]
+  for t in threads:
+    t.start()
+  for t in threads:
+    t.join()
+  assert not errors and got == {0: lines[0], 1: lines[1]}
 
 
 @pytest.mark.parametrize("bucket, workers, when", [

@@ -23,7 +23,7 @@ import time
 
 import numpy as np
 
-from bagel_grain import fs
+from bagel_grain import fs, ranged_file
 from bagel_grain.drops import Drop, DropReason
 from bagel_grain.sources import sidecar
 
@@ -181,9 +181,15 @@ def _changed(path: str, now: tuple[int, int], indexed: tuple[int, int]) -> Drop:
 
 def _open_checked(path: str, indexed: fs.FileInfo | tuple[int, int]):
   """The file opened for reading by offset, if it is still the one indexed; else Drop.
-  An object is opened pinned (each read checked by the store: no request of ours)."""
+
+  An object's lines are ranged reads pinned to the listing (each read checked by the
+  store: no request of ours), one request a line, each on its own: the read-ahead
+  threads read many lines of one file at once. Not `fs.open_random_access`: pyarrow's
+  `PythonFile` holds a lock across a `read_at` (seek, then read), so one request at a
+  time per file, and the lines of a JSONL at 50 ms a request came one after the other.
+  """
   if isinstance(indexed, fs.FileInfo):
-    return fs.open_random_access(path, pin=indexed)
+    return ranged_file.ObjectHandle(path, indexed)
   return _LocalLines(path, indexed)
 
 
