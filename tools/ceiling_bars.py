@@ -221,10 +221,10 @@ def main() -> int:
         for kind, name, w, measure in plan:
           got = measure()
           runs.setdefault((kind, name, w), []).append(got)
+          cpu_ms = got.get("main_cpu_ms_per_row") or got["main_cpu_s_per_row"] * 1e3
           print(f"[{time.perf_counter() - start:5.0f} s] round {r + 1}: {kind}, {name}, "
                 f"{w} workers: {got['rows']} rows, {got['rows_per_s']:.1f} rows/s, main "
-                f"{got['main_cpu_s_per_row'] * 1e3 if 'main_cpu_s_per_row' in got else got['main_cpu_ms_per_row']:.1f} ms CPU/row",
-                file=sys.stderr)
+                f"{cpu_ms:.1f} ms CPU/row", file=sys.stderr)
     finally:
       if args.baseline != "none":
         subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force",
