@@ -65,3 +65,20 @@ def test_a_small_dataset_is_written_with_a_line_per_part(fake_scikit_image, no_s
   assert (root / ".complete").exists()
   info = yaml.safe_load((root / "dataset_info.yaml").read_text())
   assert set(info) == {"t2i_pretrain", "unified_edit", "vlm_sft"}
+
+
+def test_megapixels_sets_every_image_area_in_range(fake_scikit_image, no_subprocess, tmp_path):
+  """The lab-like mixture (tools/ceiling_bars.py): photos of 0.3-2 MP in all three families."""
+  import io  # pylint: disable=import-outside-toplevel
+  import pyarrow.parquet as pq  # pylint: disable=import-outside-toplevel
+  from PIL import Image  # pylint: disable=import-outside-toplevel
+  root = bench_data.make_bench_data(tmp_path / "lab", t2i_rows=4, edit_rows=2, vlm_rows=3,
+                                    megapixels=(0.3, 2.0), log=lambda line: None)
+  blobs = list(pq.read_table(root / "t2i" / "part-00000.parquet")["image"].to_pylist())
+  blobs += [b for row in pq.read_table(root / "edit" / "part-00000.parquet")["image_list"]
+            .to_pylist() for b in row]
+  blobs += [p.read_bytes() for p in (root / "vlm" / "images").iterdir()]
+  assert len(blobs) >= 4 + 2 * 2 + 3
+  for blob in blobs:
+    w, h = Image.open(io.BytesIO(blob)).size
+    assert 0.29e6 <= w * h <= 2.01e6, (w, h)

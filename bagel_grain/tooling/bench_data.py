@@ -61,11 +61,19 @@ def load_photos(log: Callable[[str], None] = _to_stderr) -> list[Image.Image]:
 class ImageMaker:
   """Random crops of the photos, rescaled and re-encoded; same bytes for the same seed."""
 
-  def __init__(self, photos: list[Image.Image], seed: int):
+  def __init__(self, photos: list[Image.Image], seed: int,
+               megapixels: tuple[float, float] | None = None):
     self._photos = photos
     self._r = random.Random(seed)
+    self._megapixels = megapixels
 
   def size(self) -> tuple[int, int]:
+    """A random size: a long side of 256-1536 px, or with `megapixels` (lo, hi) an area
+    drawn uniformly in that range (a lab's photos: 0.3-2 MP)."""
+    if self._megapixels is not None:
+      area = self._r.uniform(*self._megapixels) * 1e6
+      aspect = self._r.choice((1.0, 4 / 3, 3 / 2, 16 / 9, 3 / 4, 2 / 3, 9 / 16))
+      return max(round((area * aspect) ** 0.5), 64), max(round((area / aspect) ** 0.5), 64)
     long_side = self._r.randint(256, 1536)
     aspect = self._r.choice((1.0, 4 / 3, 3 / 2, 16 / 9, 3 / 4, 2 / 3, 9 / 16))
     w = long_side if aspect >= 1 else round(long_side * aspect)
@@ -104,16 +112,19 @@ def _write_parquet(path: Path, rows: list[dict], schema: pa.Schema) -> None:
 
 
 def make_bench_data(out_dir: str | Path, *, t2i_rows: int = 800, edit_rows: int = 200,
-                    vlm_rows: int = 400, log: Callable[[str], None] = _to_stderr) -> Path:
+                    vlm_rows: int = 400, megapixels: tuple[float, float] | None = None,
+                    log: Callable[[str], None] = _to_stderr) -> Path:
   """Writes the benchmark dataset (about 1 MB per T2I row at the defaults); returns its root.
 
-  `log` gets one line per part written (default: stderr).
+  `megapixels` (lo, hi): photos of that many megapixels instead of a long side of
+  256-1536 px (the lab-like mixture: 0.3-2). `log` gets one line per part written
+  (default: stderr).
   """
   root = Path(out_dir)
   root.mkdir(parents=True, exist_ok=True)
   (root / ".complete").unlink(missing_ok=True)
   photos = load_photos(log)
-  maker, r = ImageMaker(photos, SEED), random.Random(SEED)
+  maker, r = ImageMaker(photos, SEED, megapixels), random.Random(SEED)
   write_tokenizer(root / "tokenizer")
 
   (root / "t2i").mkdir(exist_ok=True)

@@ -123,7 +123,7 @@ def _make_bench_data(args) -> int:
   from bagel_grain.tooling.bench_data import make_bench_data  # pylint: disable=import-outside-toplevel
   start = time.perf_counter()
   out = make_bench_data(args.dir, t2i_rows=args.t2i_rows, edit_rows=args.edit_rows,
-                        vlm_rows=args.vlm_rows, log=_progress)
+                        vlm_rows=args.vlm_rows, megapixels=args.megapixels, log=_progress)
   print(f"wrote benchmark data to {out} in {time.perf_counter() - start:.1f} s")
   return 0
 
@@ -412,6 +412,8 @@ def build_parser() -> argparse.ArgumentParser:
   p.add_argument("--t2i-rows", type=_at_least(1), default=800, help="text-to-image rows")
   p.add_argument("--edit-rows", type=_at_least(1), default=200, help="image-edit rows")
   p.add_argument("--vlm-rows", type=_at_least(1), default=400, help="VLM SFT rows")
+  p.add_argument("--megapixels", type=float, nargs=2, metavar=("LO", "HI"),
+                 help="photos of LO-HI megapixels (default: a long side of 256-1536 px)")
 
   p = command("bench", _bench, "throughput against the floor, latency, state, the main "
               "process's CPU per row and the memory split per process")
