@@ -316,9 +316,6 @@ class Fetcher:
       for w in watched:
         if not self._receive(w, ready):
           return
-        while w.stage == "ready" and w.jobs and _has_more(w):  # one wake-up, all queued
-          if not self._receive(w, [w.conn]):
-            return
 
   def _dispatch(self) -> None:
     """Hands each ready worker the pending elements it owns (`readahead.owner`): a worker
@@ -519,14 +516,6 @@ class Fetcher:
 
 # Fetchers that may still own threads and processes: a forked child lets go of them.
 _LIVE: weakref.WeakSet[Fetcher] = weakref.WeakSet()
-
-
-def _has_more(w: Worker) -> bool:
-  """Whether `w`'s socket holds more to read now (an exit reads as more: the read says so)."""
-  try:
-    return w.conn.poll()
-  except (OSError, EOFError, ValueError):
-    return False  # the next round of `wait` notices what happened to it
 
 
 def live() -> list[Fetcher]:
