@@ -35,7 +35,7 @@ folder whose LIST repeats its token (`file_not_readable`) and one of 1M keys
 (`too_many_video_frames`).
 
     python tools/soak.py --minutes 10
-    python tools/soak.py --seconds 20 --report-every 5 --anon-tolerance-mib 4096  # smoke: too short to judge memory
+    python tools/soak.py --seconds 20 --report-every 5 --anon-tolerance-mib 4096  # smoke run
     python tools/soak.py --minutes 10 --storage             # with the storage rows
 """
 
