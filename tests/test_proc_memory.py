@@ -47,7 +47,8 @@ def test_reset_peak_restarts_the_high_water_mark():
 
 def _series(anon, shmem):
   """Two samples a half: (t, status) with the given RssAnon and RssShmem per sample."""
-  return [(t, {"VmRSS": a + s + 100, "RssAnon": a, "RssFile": 100, "RssShmem": s})
+  return [(t, {"VmRSS": a + s + 100, "RssAnon": a, "RssFile": 100, "RssShmem": s,
+               "Threads": 9})
           for t, a, s in zip((0, 1, 2, 3), anon, shmem)]
 
 

@@ -11,9 +11,11 @@ shared memory: only /proc is read, so the soak judges any scheme alike.
 
 from __future__ import annotations
 
+import ctypes
 import gc
 import os
 import statistics
+import sys
 import threading
 import time
 import tracemalloc
@@ -28,7 +30,7 @@ _SHMEM_PATHS = ("/memfd:", "/dev/shm/", "/SYSV", "/dev/zero")
 
 def status_mib(pid: int) -> dict[str, float] | None:
   """The process's RSS and its split, and its peak RSS since the last `reset_peak`
-  (`VmHWM`), in MiB; None once it is gone."""
+  (`VmHWM`), in MiB, and its number of threads; None once it is gone."""
   out = {}
   try:
     with open(f"/proc/{pid}/status", encoding="ascii") as f:
@@ -36,6 +38,8 @@ def status_mib(pid: int) -> dict[str, float] | None:
         key, _, value = line.partition(":")
         if key in FIELDS or key == "VmHWM":
           out[key] = int(value.split()[0]) / 1024  # kB
+        elif key == "Threads":  # each may hold a C heap arena of its own
+          out[key] = int(value)
   except OSError:
     return None
   return out
@@ -68,6 +72,25 @@ def reset_peak(pid: int) -> bool:
     return False
 
 
+class _MallInfo2(ctypes.Structure):
+  _fields_ = [(name, ctypes.c_size_t) for name in (
+      "arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks",
+      "fordblks", "keepcost")]
+
+
+def malloc_mib() -> dict[str, float] | None:
+  """This process's C heap (glibc's `mallinfo2`): bytes in use (what a native leak grows)
+  and bytes freed but kept (what fragmentation grows); None off glibc 2.33+."""
+  try:
+    call = ctypes.CDLL(None).mallinfo2
+  except (OSError, AttributeError):
+    return None
+  call.restype = _MallInfo2
+  m = call()
+  return {"in_use": round((m.uordblks + m.hblkhd) / 2**20, 1),
+          "free_kept": round(m.fordblks / 2**20, 1)}
+
+
 def object_counts() -> Counter:
   """Live objects the collector tracks, by type name: what a Python-level leak grows."""
   return Counter(type(o).__name__ for o in gc.get_objects())
@@ -86,6 +109,8 @@ class Watch:
     self.shared: dict[str, float] = {}  # name: the largest shared mapping seen (MiB)
     self._hwm: dict[str, list[float]] = {}  # name: [peak of the first half, of the second]
     self._objects: list[Counter] = []
+    self._malloc: list[dict[str, float] | None] = []  # the C heap at each half's end
+    self._arrow: list[float] = []  # MiB Arrow's memory pool holds, at each half's end
     self._traces: list[tracemalloc.Snapshot] = []
     self._pids: dict[str, int] = {}
     self.load: list[float] = []  # the machine's 1-minute load average at each sample
@@ -129,6 +154,9 @@ class Watch:
 
   def _snapshot_python(self) -> None:
     self._objects.append(object_counts())
+    self._malloc.append(malloc_mib())
+    arrow = sys.modules.get("pyarrow")
+    self._arrow.append(arrow.total_allocated_bytes() / 2**20 if arrow else 0.0)
     if tracemalloc.is_tracing():
       self._traces.append(tracemalloc.take_snapshot())
 
@@ -189,12 +217,17 @@ class Watch:
       grown.subtract(self._objects[0])
       out["main_objects"] = {"first_half_end": sum(self._objects[0].values()),
                              "second_half_end": sum(self._objects[1].values()),
-                             "top_growth": dict(grown.most_common(10))}
+                             "top_growth": dict(grown.most_common(10)),
+                             "arrow_pool_mib": [round(m, 1) for m in self._arrow],
+                             "c_heap_mib": self._malloc}
     if len(self._traces) == 2:
       diff = self._traces[1].compare_to(self._traces[0], "lineno")[:10]
       out["main_tracemalloc_top_growth"] = [
           f"{d.traceback[0].filename}:{d.traceback[0].lineno} {d.size_diff / 2**20:+.2f} MiB "
           f"({d.count_diff:+d} blocks)" for d in diff]
+      out["main_tracemalloc_top_stacks"] = [
+          [f"{d.size_diff / 2**20:+.2f} MiB ({d.count_diff:+d} blocks)"] + d.traceback.format()
+          for d in self._traces[1].compare_to(self._traces[0], "traceback")[:3]]
     return out
 
   def series_json(self) -> dict:
@@ -210,7 +243,8 @@ def _halves(samples: list[tuple[float, dict[str, float]]], half: float) -> dict:
   for part, rows in parts.items():
     if rows:
       out[part] = {f"{k}_{how}": round(f([r[k] for r in rows]), 1)
-                   for k in FIELDS for how, f in (("peak", max), ("median", statistics.median))}
+                   for k in FIELDS + ("Threads",)
+                   for how, f in (("peak", max), ("median", statistics.median))}
       out[part]["samples"] = len(rows)
   if len(out) == 2:
     out["growth"] = {k: round(out["second_half"][k] - out["first_half"][k], 1)
