@@ -207,6 +207,11 @@ class Watch:
       if shmem > self.shared.get(name, 0.0) + 1:  # + 1: a mapping may come and go between samples
         reasons.append(f"{name}: RssShmem {shmem:.1f} MiB over its shared mappings "
                        f"{self.shared.get(name, 0.0):.1f} MiB")
+    heap = self._malloc
+    if len(heap) == 2 and None not in heap and any(r.startswith("main:") for r in reasons):
+      reasons.append(  # a leak grows the heap in use; allocator retention, the freed part
+          f"main: C heap in use {heap[0]['in_use']} -> {heap[1]['in_use']} MiB, freed but "
+          f"kept {heap[0]['free_kept']} -> {heap[1]['free_kept']} MiB")
     out = {"processes": processes, "anon_tolerance_mib": anon_tolerance_mib,
            "flat": not reasons, "reasons": reasons}
     if self.load:
