@@ -233,12 +233,15 @@ def test_soak_smoke(demo_dir, tmp_path):
   summary_path = tmp_path / "summary.json"
   child = subprocess.run(
       [sys.executable, str(ROOT / "tools" / "soak.py"), "--seconds", "6", "--workers", "2",
-       "--report-every", "2", "--data", str(demo_dir), "--json", str(summary_path)],
+       "--report-every", "2", "--data", str(demo_dir), "--json", str(summary_path),
+       "--anon-tolerance-mib", "4096"],  # halves of 3 s: start-up, not a leak
       capture_output=True, text=True, timeout=120)
   assert child.returncode == 0, child.stdout[-3000:] + child.stderr[-3000:]
   summary = json.loads(summary_path.read_text())
   assert summary["balanced"] and summary["error"] is None and summary["rows"] > 0
   assert summary["counters"]["dropped"] > 0 and summary["workers_left_after_close"] == []
+  memory = summary["memory"]["processes"]
+  assert len(memory) == 3 and all(p["first_half"]["RssAnon_peak"] > 0 for p in memory.values())
   assert child.stdout.count("balanced") >= 2  # periodic reports
   assert "NOT BALANCED" not in child.stdout
 

@@ -11,13 +11,20 @@ JPEG, a VLM line naming a file 10,000 times, a parquet cell over
 `max_image_bytes`; video files: an MKV of 2M tiny packets, an MP4 whose tables claim
 85M samples, an MJPEG AVI whose frame 2 is 16000x16000, an MKV of 1,000 streams), then
 pulls batches for the given time. Every `--report-every`
-seconds it prints the elapsed time, rows, the RSS of the main process and of
-each worker (MiB), and the packer's counters with whether they balance (drawn =
-packed + dropped + buffered + carried). At the end it prints a JSON summary with
-each process's first, last and peak RSS and how much its peak grew from the
-first half of the run to the second; the exit status is 1 when the counters ever
-failed to balance, the stream stopped with an error, a worker process was
-replaced, or a record started a process.
+seconds it prints the elapsed time, rows, each process's RSS split into anonymous,
+file and shared-memory pages (MiB), and the packer's counters with whether they
+balance (drawn = packed + dropped + buffered + carried). Memory is read from /proc
+every `--sample-every` seconds (`tools/proc_memory.py`; `--series` writes the
+samples). At the end it prints a JSON summary: per process and half of the run, the
+peak and median of RSS and of each kind of page, the true peak RSS (`VmHWM`, restarted
+at half time), and their growth; for the main process, which object types grew in
+number (and, with `--tracemalloc`, which lines allocated more). Memory is flat when no
+process's anonymous pages grew by more than `--anon-tolerance-mib` (peak and median)
+from one half to the next: shared pages (memory another process wrote, counted in
+each process that reads it) are judged apart, bounded by the shared mappings. The
+exit status is 1 when memory was not flat, the counters ever failed to balance, the
+stream stopped with an error, a worker process was replaced, or a record started a
+process.
 
 With `--storage` a second VLM dataset lies in a local S3 server behind the test
 fault proxy (`tests/object_store`, the test extra), with one record per storage
@@ -28,7 +35,7 @@ folder whose LIST repeats its token (`file_not_readable`) and one of 1M keys
 (`too_many_video_frames`).
 
     python tools/soak.py --minutes 10
-    python tools/soak.py --seconds 20 --report-every 5      # a quick smoke run
+    python tools/soak.py --seconds 20 --report-every 5 --anon-tolerance-mib 4096  # smoke run
     python tools/soak.py --minutes 10 --storage             # with the storage rows
 """
 
@@ -44,6 +51,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import tracemalloc
 from pathlib import Path
 
 import numpy as np
@@ -52,6 +60,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import yaml
 from PIL import Image
+
+import proc_memory  # tools/, beside this file
 
 ROOT = Path(__file__).resolve().parents[1]
 GARBAGE = b"soak: these bytes are not an image"
@@ -75,6 +85,7 @@ HOSTILE_LINES = (  # VLM lines a hostile user writes, each once per epoch
 # times the cell (docs/images.md), so at 128 MiB that one read lifts a process past the
 # soak's 1 GiB bound whatever the pipeline does.
 MAX_IMAGE_BYTES = 32 << 20
+ANON_TOLERANCE_MIB = 16.0  # the default of --anon-tolerance-mib
 
 
 def _hostile_files(images: Path) -> None:
@@ -335,13 +346,6 @@ def _workers(me: psutil.Process) -> list[psutil.Process]:
   return out
 
 
-def _rss_mib(proc: psutil.Process) -> float:
-  try:
-    return proc.memory_info().rss / 2**20
-  except psutil.Error:
-    return 0.0
-
-
 def soak(args) -> dict:
   # pylint: disable=import-outside-toplevel
   from bagel_grain.config import config_from_dict
@@ -400,24 +404,28 @@ def _run(it, pipeline_stats, args, injected, rearm=None) -> dict:
   rows = batches = storage_errors = 0
   next_rearm = start
   balanced, error = True, None
-  rss: dict[str, list[tuple[float, float]]] = {}  # "main" or "worker <pid>": (seconds, MiB)
   stats = {}
+  if args.tracemalloc:
+    tracemalloc.start(args.tracemalloc)
+  watch = proc_memory.Watch(
+      lambda: {"main": me.pid, **{f"worker {p.pid}": p.pid for p in _workers(me)}},
+      half=duration / 2, every=args.sample_every).start()
 
-  def sample_memory(now):
-    rss.setdefault("main", []).append((now - start, _rss_mib(me)))
-    for p in _workers(me):
-      rss.setdefault(f"worker {p.pid}", []).append((now - start, _rss_mib(p)))
+  def mib(name, field):
+    s = watch.latest(name)
+    return f"{s[field]:.0f}" if s else "-"
 
   def report(now):
-    sample_memory(now)
+    watch.sample()
     s = stats
     ok = s["drawn"] == s["packed"] + s["dropped"] + s["buffered"] + s["carried"]
-    workers = [samples[-1][1] for name, samples in rss.items()
-               if name != "main" and samples[-1][0] == now - start]
-    print(f"[{now - start:7.1f} s] rows {rows:6d}  rss main {rss['main'][-1][1]:6.0f} MiB  "
-          f"workers {' '.join(f'{r:.0f}' for r in workers) or '-'} MiB  drawn {s['drawn']} = "
-          f"packed {s['packed']} + dropped {s['dropped']} + buffered {s['buffered']} + "
-          f"carried {s['carried']}: {'balanced' if ok else 'NOT BALANCED'}", flush=True)
+    memory = "  ".join(f"{name} {mib(name, 'VmRSS')} ({mib(name, 'RssAnon')}/"
+                       f"{mib(name, 'RssFile')}/{mib(name, 'RssShmem')})"
+                       for name in ["main"] + sorted(n for n in watch.series if n != "main"))
+    print(f"[{now - start:7.1f} s] rows {rows:6d}  rss MiB (anon/file/shmem): {memory}  "
+          f"drawn {s['drawn']} = packed {s['packed']} + dropped {s['dropped']} + buffered "
+          f"{s['buffered']} + carried {s['carried']}: {'balanced' if ok else 'NOT BALANCED'}",
+          flush=True)
 
   try:
     while time.monotonic() - start < duration:
@@ -439,8 +447,6 @@ def _run(it, pipeline_stats, args, injected, rearm=None) -> dict:
       if now >= next_report:
         report(now)
         next_report = now + args.report_every
-      elif batches % 10 == 0:
-        sample_memory(now)
   except KeyboardInterrupt:
     print("interrupted", flush=True)
   except Exception as e:  # the soak's verdict: any error that stops the stream is reported
@@ -449,6 +455,7 @@ def _run(it, pipeline_stats, args, injected, rearm=None) -> dict:
     elapsed = time.monotonic() - start
     if stats:
       report(time.monotonic())
+    watch.stop()  # before close: the workers' last samples and peaks
     it.close()
   time.sleep(0.5)
   left = [p.pid for p in _workers(me) if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
@@ -466,23 +473,13 @@ def _run(it, pipeline_stats, args, injected, rearm=None) -> dict:
       "drop_fraction": round(stats.get("dropped", 0) / drawn, 4) if drawn else 0.0,
       "drops_by_reason": stats.get("drops_by_reason", {}),
       "epochs": stats.get("epoch", {}),
-      "rss_mib": {name: _memory(samples, elapsed) for name, samples in rss.items()},
-      "worker_pids_seen": sum(1 for name in rss if name != "main"),
+      "memory": watch.summary(args.anon_tolerance_mib),
+      "memory_series": watch.series_json(),
+      "worker_pids_seen": sum(1 for name in watch.series if name != "main"),
       "workers_left_after_close": left,
       "storage_errors": storage_errors,
       "error": error,
   }
-
-
-def _memory(samples: list[tuple[float, float]], elapsed: float) -> dict[str, float]:
-  """A process's RSS over the run: first, last, peak, and how much the peak of the second
-  half exceeds that of the first (about 0 when memory is flat)."""
-  values = [mib for _, mib in samples]
-  first_half = [mib for t, mib in samples if t <= elapsed / 2] or values
-  second_half = [mib for t, mib in samples if t > elapsed / 2] or values
-  return {"first": round(values[0], 1), "last": round(values[-1], 1),
-          "max": round(max(values), 1),
-          "peak_growth": round(max(second_half) - max(first_half), 1)}
 
 
 def main(argv=None) -> int:
@@ -505,17 +502,32 @@ def main(argv=None) -> int:
   parser.add_argument("--element-timeout-s", type=float, default=None,
                       help="the config's element_timeout_s (e.g. 5: no hostile record may "
                            "hold an element that long)")
+  parser.add_argument("--sample-every", type=float, default=1.0,
+                      help="seconds between two memory samples")
+  parser.add_argument("--anon-tolerance-mib", type=float, default=ANON_TOLERANCE_MIB,
+                      help="the most a process's anonymous memory may grow from the first "
+                           "half to the second (peak and median) for the run to be flat")
+  parser.add_argument("--tracemalloc", type=int, default=0, metavar="FRAMES",
+                      help="trace the main process's allocations (slow): their top growth "
+                           "from the first half to the second")
+  parser.add_argument("--series", help="write each process's memory samples here (JSON)")
   args = parser.parse_args(argv)
   summary = soak(args)
+  series = summary.pop("memory_series")
+  if args.series:
+    Path(args.series).write_text(json.dumps(series) + "\n")
   text = json.dumps(summary, indent=1)
   print(text)
   if args.json:
     Path(args.json).write_text(text + "\n")
+  print(f"memory: {'flat' if summary['memory']['flat'] else 'GROWING'}"
+        + "".join(f"\n  {r}" for r in summary["memory"]["reasons"]), flush=True)
   failed = (not summary["balanced"] or summary["error"] is not None
             or summary["impossible_footer_refused"] is None
             or summary["processes_started_by_records"]
             or summary["workers_left_after_close"]
-            or summary["worker_pids_seen"] > max(args.workers, 0))
+            or summary["worker_pids_seen"] > max(args.workers, 0)
+            or not summary["memory"]["flat"])
   return 1 if failed else 0
 
 
