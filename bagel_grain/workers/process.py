@@ -29,7 +29,7 @@ import traceback
 from multiprocessing.connection import Connection
 from typing import Any
 
-from bagel_grain import held_memory, storage
+from bagel_grain import c_heap, held_memory, storage
 from bagel_grain.workers import slab as slabs
 from bagel_grain.sources import readahead
 from bagel_grain.errors import BagelGrainError, StorageUnavailableError
@@ -111,6 +111,7 @@ def _worker_main(conn: Connection) -> None:
   signal.signal(signal.SIGINT, signal.SIG_IGN)
   signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})  # blocked by our parent at spawn
   signal.signal(signal.SIGTERM, signal.SIG_DFL)  # whatever the re-imported main script set
+  c_heap.limit_arenas()
   try:
     _widen(conn)
     conn.send(("hello", None, 0, 0, 0.0, held_memory.snapshot()))  # RSS after imports
@@ -144,6 +145,7 @@ def _worker_main(conn: Connection) -> None:
           except Exception:  # pylint: disable=broad-except  # reported, then the stream stops
             status, value = "error", traceback.format_exc()
         send(conn, status, job, value, spent, slab)
+      c_heap.maybe_trim()
   except (EOFError, OSError):
     return  # the main process closed our socket or went away
 
