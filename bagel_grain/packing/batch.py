@@ -23,7 +23,6 @@ from typing import Any, Callable, Mapping, NoReturn, Sequence
 
 import grain
 
-from bagel_grain import c_heap
 from bagel_grain.errors import StateMismatchError, UnsupportedOperationError
 from bagel_grain.packed_row import PackedBatch
 from bagel_grain.packing import eras as era_keys
@@ -112,7 +111,6 @@ class BatchIterator(StageIterator):
 
   def __next__(self) -> PackedBatch:
     self._assert_not_closed()
-    c_heap.maybe_trim()  # what the last batches' threads freed, handed back now and then
     with self._step:
       self._assert_not_closed()
       start = self._rows.position()

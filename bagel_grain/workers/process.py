@@ -145,7 +145,6 @@ def _worker_main(conn: Connection) -> None:
           except Exception:  # pylint: disable=broad-except  # reported, then the stream stops
             status, value = "error", traceback.format_exc()
         send(conn, status, job, value, spent, slab)
-      c_heap.maybe_trim()
   except (EOFError, OSError):
     return  # the main process closed our socket or went away
 
