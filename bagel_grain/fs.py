@@ -42,6 +42,7 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import functools
+import hashlib
 import io
 import os
 import posixpath
@@ -297,9 +298,64 @@ def _changed(path: str, pin: FileInfo | None) -> str:
 
 
 def _check_pin(path: str, size: int, mtime_ns: int, pin: FileInfo | None) -> None:
-  if pin is not None and (size, mtime_ns) != (pin.size, pin.mtime_ns):
-    raise ObjectChanged(f"{path} changed since it was listed (size, mtime now "
-                        f"{(size, mtime_ns)}, then {(pin.size, pin.mtime_ns)})")
+  why = pin_differs(path, size, mtime_ns, pin)
+  if why:
+    raise ObjectChanged(f"{path} changed since it was listed ({why})")
+
+
+def pin_differs(path: str, size: int, mtime_ns: int, pin: FileInfo | None) -> str | None:
+  """Why the local file `path`, now of `size` and `mtime_ns`, is not the one `pin` saw;
+  None if it is: its size and time agree, or, at the same size and another time (a
+  `touch`, an identical file uploaded again seen through a mount), its probe agrees with
+  the pin's (computed once per file and time in a process, then remembered)."""
+  if pin is None or (size, mtime_ns) == (pin.size, pin.mtime_ns):
+    return None
+  if size == pin.size and pin.probe is not None:
+    kind, digest = pin.probe
+    if _probe_at(path, kind, size, mtime_ns) == digest:
+      return None
+    return f"same size, a new time, and its {_PROBED[kind]} differs"
+  return f"size, mtime now {(size, mtime_ns)}, then {(pin.size, pin.mtime_ns)}"
+
+
+def with_probe(pin: FileInfo, kind: str) -> FileInfo:
+  """A local file's pin (its listing) with its probe, so that its reads accept the same
+  content at another time; unchanged for an object (its store identifies its content),
+  or if the file was no longer at the pin's size and time once probed."""
+  if is_uri(pin.path) or pin.probe is not None:
+    return pin
+  digest = _probe_at(pin.path, kind, int(pin.size), int(pin.mtime_ns))
+  return pin if digest is None else dataclasses.replace(pin, probe=(kind, digest))
+
+
+_PROBED = {"parquet": "footer", "jsonl": "first or last MiB"}
+PROBE_BYTES = 1 << 20  # a JSONL file's probe: its first and last MiB
+
+
+def probe(path: str, kind: str) -> str:
+  """SHA-256 of the bytes that stand for a file in a cheap check (`sources.identity`): a
+  parquet file's footer (and its length and magic), a JSONL file's first and last
+  `PROBE_BYTES`, with its size."""
+  with open_random_access(path) as f:
+    size = f.size()
+    if kind == "parquet":
+      tail = f.read_at(min(size, 8), max(0, size - 8))
+      footer = int.from_bytes(tail[:4], "little") + 8 if len(tail) == 8 else len(tail)
+      data = f.read_at(min(size, footer), max(0, size - footer))
+    else:
+      data = f.read_at(min(size, PROBE_BYTES), 0)
+      if size > PROBE_BYTES:
+        data += f.read_at(min(size - PROBE_BYTES, PROBE_BYTES), max(PROBE_BYTES,
+                                                                     size - PROBE_BYTES))
+  return hashlib.sha256(size.to_bytes(8, "little") + data).hexdigest()
+
+
+@functools.lru_cache(maxsize=4096)
+def _probe_at(path: str, kind: str, size: int, mtime_ns: int) -> str | None:
+  """`probe` of a local file seen at (size, mtime_ns); None if it changed while read."""
+  digest = probe(path, kind)
+  st = os.stat(path)
+  return digest if (st.st_size, st.st_mtime_ns) == (size, mtime_ns) else None
 
 
 def read_range(path: str, offset: int, length: int, pin: FileInfo | None = None) -> bytes:
