@@ -15,7 +15,10 @@ Reads and listings of objects go through our own bounded client (`remote.s3`,
 `remote.gcs` over `remote.http`): every request ends by the deadline of its
 scope (`deadline_scope`, which `storage.RetryPolicy` sets for each attempt), a
 body is read to at most its bound, a listing to at most `max_entries` files and
-never in circles, and redirects are not followed. Writes go through pyarrow.fs.
+never in circles, and redirects are not followed. Outside an element's computation
+(a build's listings, HEADs, footers, index files, probes), each read waits out
+transient failures under the build's policy (`storage.retried`). Writes go
+through pyarrow.fs.
 
 The API other modules build on (stable):
 
@@ -54,6 +57,7 @@ import urllib.parse
 import pyarrow as pa
 from pyarrow import fs as pafs
 
+from bagel_grain import storage
 from bagel_grain.remote import gcs, http, s3
 from bagel_grain.remote.http import deadline_scope  # noqa: F401  (re-exported)
 from bagel_grain.remote.objects import (MAX_LIST_ENTRIES, BadListing, FileInfo,  # noqa: F401
@@ -193,7 +197,10 @@ def file_info(path: str) -> FileInfo:
   remote = _object(path)
   if remote is None:
     return _local_info(os.path.abspath(path), follow=True)
-  client, bucket, key = remote
+  return storage.retried(path, lambda: _object_info(path, *remote))
+
+
+def _object_info(path: str, client, bucket: str, key: str) -> FileInfo:
   key = key.rstrip("/")
   if key:
     try:
@@ -237,7 +244,7 @@ def list_file_infos(folder: str, suffix: str = "",
   else:
     client, bucket, key = remote
     prefix = key.rstrip("/") + "/" if key.strip("/") else ""
-    infos = [i for i in client.list(bucket, prefix, max_entries)
+    infos = [i for i in storage.retried(folder, lambda: client.list(bucket, prefix, max_entries))
              if i.base_name.endswith(suffix)]
     base = folder.rstrip("/")
     infos = [dataclasses.replace(i, path=f"{base}/{i.base_name}") for i in infos]
@@ -271,8 +278,8 @@ def read_file(path: str, max_bytes: int | None, pin: FileInfo | None = None) -> 
   if remote is not None:
     client, bucket, key = remote
     try:
-      data = client.get(bucket, key, max_bytes=_NO_BOUND if max_bytes is None else max_bytes,
-                        pin=pin)
+      data = storage.retried(path, lambda: client.get(
+          bucket, key, max_bytes=_NO_BOUND if max_bytes is None else max_bytes, pin=pin))
     except http.BodyTooLarge as e:
       size = f"{e.size} bytes >" if e.size is not None else "more than"
       raise FileRefused(f"{path}: {size} {max_bytes} bytes", regular=True) from None
@@ -371,8 +378,8 @@ def read_range(path: str, offset: int, length: int, pin: FileInfo | None = None)
       return os.pread(f.fileno(), length, offset)
   client, bucket, key = remote
   try:
-    return client.get(bucket, key, max_bytes=length, first=offset, last=offset + length - 1,
-                      pin=pin)
+    return storage.retried(path, lambda: client.get(
+        bucket, key, max_bytes=length, first=offset, last=offset + length - 1, pin=pin))
   except http.PreconditionFailed:
     raise ObjectChanged(_changed(path, pin)) from None
   except http.HTTPStatusError as e:

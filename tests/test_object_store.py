@@ -254,6 +254,38 @@ def test_an_object_failing_its_first_reads_is_read_again_and_packed_once(
   assert stats["storage"]["vlm_sft"]["retries"] >= 1
 
 
+# The build's reads: footers (".parquet": the demo's t2i folder has no index) and listings.
+@pytest.mark.parametrize("bucket, fault, match", [
+    ("s3", "503", ".parquet"), ("s3", "reset", ".parquet"), ("s3", "reset", "prefix="),
+    ("gcs", "503", "prefix=")], indirect=["bucket"])
+def test_faults_at_build_are_waited_out_and_the_stream_is_a_clean_runs(
+    bucket, fault, match, demo_dir, demo_tokenizer, local_epoch, monkeypatch):
+  store, root = bucket
+  proxy = store.fault_proxy()
+  _through(proxy, store, monkeypatch)
+  proxy.fault(fault, count=3, match=match)
+  keys, stats, errors = _run_epoch(_epoch_config(root, demo_dir), demo_tokenizer, 0, root,
+                                   demo_dir)
+  assert proxy.counts()[f"fault_{fault}"] == 3
+  assert not errors and keys == local_epoch
+  assert all(not d for d in stats["drops"].values())
+
+
+@pytest.mark.parametrize("bucket", ["s3"], indirect=True)
+def test_a_build_time_outage_past_the_deadline_is_a_storage_error_naming_the_object(
+    bucket, demo_dir, demo_tokenizer, monkeypatch):
+  store, root = bucket
+  proxy = store.fault_proxy()
+  _through(proxy, store, monkeypatch)
+  proxy.fault("503", seconds=60, match="t2i/part-00000.parquet")
+  cfg = _epoch_config(root, demo_dir, storage_timeout_s=1.5)
+  started = time.monotonic()
+  with pytest.raises(StorageUnavailableError, match=r"reading \S*t2i/part-00000\.parquet: "):
+    build_pipeline(cfg, demo_tokenizer, batch_size=2, workers=0)
+  assert time.monotonic() - started < 30  # the deadline, not the outage (60 s)
+  assert proxy.counts()["fault_503"] > 2  # tried again before giving up
+
+
 @pytest.mark.parametrize("bucket", ["s3"], indirect=True)
 def test_an_object_deleted_after_indexing_is_dropped_as_missing(
     bucket, demo_dir, demo_tokenizer, local_epoch, monkeypatch):
