@@ -388,12 +388,42 @@ def read_range(path: str, offset: int, length: int, pin: FileInfo | None = None)
     raise
 
 
-class _RangedObject(io.RawIOBase):
-  """An object read by ranged requests, as a seekable raw file (pyarrow and PyAV wrap it)."""
+class ObjectHandle:
+  """One object's ranged reads (`read_at(length, offset)`, as a pyarrow file's), each its
+  own request, pinned to the identity `info` (its listing or HEAD) seen when it was
+  opened: every range is of that content (GCS generation, S3 ETag), and a change is
+  `ObjectChanged`, a definite answer. Nothing is held open and nothing is shared between
+  reads, so threads read ranges of one object at once (pyarrow's `PythonFile` holds a
+  lock across each of its reads)."""
 
-  def __init__(self, path: str, size: int, pin: FileInfo | None):
+  def __init__(self, path: str, info: FileInfo):
+    self.path, self.info = path, info
+
+  def size(self) -> int:
+    return int(self.info.size)
+
+  def read_at(self, length: int, offset: int) -> bytes:
+    return read_range(self.path, offset, length, pin=self.info)
+
+  def close(self) -> None:
+    """Nothing held open: each range is one request."""
+
+
+def open_object(path: str, pin: FileInfo | None = None) -> ObjectHandle:
+  """An object's handle: pinned to `pin` (a listing's entry: no request), else to what
+  one HEAD reports. FileNotFoundError when there is no such object."""
+  info = pin if pin is not None and pin.size is not None else file_info(path)
+  if info.kind != "file":
+    raise FileNotFoundError(f"{path}: no such object ({info.kind})")
+  return ObjectHandle(path, info)
+
+
+class _RangedObject(io.RawIOBase):
+  """An `ObjectHandle` as a seekable raw file (for pyarrow's `PythonFile`)."""
+
+  def __init__(self, handle: ObjectHandle):
     super().__init__()
-    self._path, self._size, self._pin, self._pos = path, size, pin, 0
+    self._handle, self._size, self._pos = handle, handle.size(), 0
 
   def readable(self) -> bool:
     return True
@@ -410,31 +440,31 @@ class _RangedObject(io.RawIOBase):
     return self._pos
 
   def readinto(self, buffer) -> int:
-    want = min(len(buffer), max(0, self._size - self._pos))
-    data = read_range(self._path, self._pos, want, self._pin) if want else b""
+    data = self._read(len(buffer))
     buffer[:len(data)] = data
-    self._pos += len(data)
     return len(data)
 
   def readall(self) -> bytes:
-    data = read_range(self._path, self._pos, max(0, self._size - self._pos), self._pin)
+    return self._read(self._size)
+
+  def _read(self, length: int) -> bytes:
+    want = min(length, max(0, self._size - self._pos))
+    data = self._handle.read_at(want, self._pos) if want else b""
     self._pos += len(data)
     return data
 
 
 def open_random_access(path: str, pin: FileInfo | None = None):
   """A seekable pyarrow file (`read_at`, `size`, `seek`, `read`) for parquet footers and
-  row groups and JSONL lines; on an object store each read is one ranged request, with
-  `pin` as in `read_file`."""
+  row groups and index files. On an object store each read is one ranged request of the
+  content `pin` (a listing's entry) saw, else of the content its HEAD reported
+  (`ObjectHandle`); locally, with `pin` as in `read_file`."""
   if _object(path) is None:
     if pin is not None:
       st = os.stat(path)
       _check_pin(path, st.st_size, st.st_mtime_ns, pin)
     return pafs.LocalFileSystem().open_input_file(os.path.abspath(path))
-  info = pin if pin is not None and pin.size is not None else file_info(path)
-  if info.kind != "file":
-    raise FileNotFoundError(f"{path}: no such object")
-  return pa.PythonFile(_RangedObject(path, int(info.size), pin), mode="r")
+  return pa.PythonFile(_RangedObject(open_object(path, pin)), mode="r")
 
 
 def _check_file(path: str, regular: bool, size: int, max_bytes: int | None) -> None:

@@ -23,6 +23,7 @@ from bagel_grain.errors import StorageUnavailableError
 from bagel_grain.pipeline import build_pipeline, pipeline_stats
 from bagel_grain.sources import identity, sidecar
 from bagel_grain.sources.jsonl import JsonlLineSource
+from bagel_grain.sources.parquet import dataset_source
 from bagel_grain.tokenizer import load_tokenizer
 from bagel_grain.tooling.cli import NoProgress
 from conftest import CONFIGS
@@ -92,6 +93,34 @@ def test_listing_and_ranges_through_the_filesystem_layer(bucket, demo_dir, monke
   assert fs.read_bytes(f"{root}/vlm/sft.jsonl") == data
   with fs.open_random_access(f"{root}/vlm/sft.jsonl") as f:
     assert f.read_at(100, 1000) == data[1000:1100]
+
+
+@pytest.mark.parametrize("bucket", ["s3"], indirect=True)
+def test_row_groups_of_one_object_are_read_at_once_by_several_threads(bucket, monkeypatch):
+  # Read-ahead reads several row groups of one file at once: each read opens its own
+  # handle, none waits on another's file lock (pyarrow's PythonFile holds one per read).
+  store, root = bucket
+  for name, value in store.environment().items():
+    monkeypatch.setenv(name, value)
+  source = dataset_source(f"{root}/t2i", None, ["image"])
+  firsts = [int(s) for s in np.cumsum(source.block_sizes())[:2] - source.block_sizes()[:2]]
+  both, met = threading.Barrier(2, timeout=20), []
+  real = fs.read_range
+
+  def meeting(path, offset, length, pin=None):
+    if length > 64 << 10 and not met:  # a column chunk (not the footer): meet the other's
+      both.wait()
+      met.append(path)
+    return real(path, offset, length, pin)
+
+  monkeypatch.setattr(fs, "read_range", meeting)
+  threads = [threading.Thread(target=source.__getitem__, args=(i,)) for i in firsts]
+  for thread in threads:
+    thread.start()
+  for thread in threads:
+    thread.join()
+  assert len(met) == 2 and not both.broken  # both threads were in a ranged read at once
+  assert met[0] == met[1]  # of the same object
 
 
 def _echo_server() -> tuple[socket.socket, threading.Thread]:

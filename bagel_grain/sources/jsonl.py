@@ -24,7 +24,7 @@ import time
 
 import numpy as np
 
-from bagel_grain import fs, ranged_file
+from bagel_grain import fs
 from bagel_grain.drops import Drop, DropReason
 from bagel_grain.sources import sidecar
 
@@ -183,12 +183,11 @@ def _open_checked(path: str, indexed: fs.FileInfo):
 
   An object's lines are ranged reads pinned to the listing (each read checked by the
   store: no request of ours), one request a line, each on its own: the read-ahead
-  threads read many lines of one file at once. Not `fs.open_random_access`: pyarrow's
-  `PythonFile` holds a lock across a `read_at` (seek, then read), so one request at a
-  time per file, and the lines of a JSONL at 50 ms a request came one after the other.
+  threads read many lines of one file at once (`fs.ObjectHandle`: not pyarrow's
+  `PythonFile`, whose lock sent them one at a time).
   """
   if fs.is_uri(path):
-    return ranged_file.ObjectHandle(path, indexed)
+    return fs.ObjectHandle(path, indexed)
   return _LocalLines(path, indexed)
 
 
