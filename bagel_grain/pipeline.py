@@ -19,7 +19,7 @@ from typing import Any, Mapping, Sequence
 import grain
 import numpy as np
 
-from bagel_grain import fs, images, storage
+from bagel_grain import fs, images, io_limits, storage
 from bagel_grain.config import STREAM_NEUTRAL_FIELDS, GroupConfig, PipelineConfig
 from bagel_grain.errors import ConfigError, DatasetError, StateMismatchError
 from bagel_grain.families.base import FamilyTransform
@@ -323,9 +323,6 @@ def _config_defaults() -> dict[str, Any]:
           if f.default is not dataclasses.MISSING}
 
 
-BUILD_THREADS = 16
-
-
 def _each(function, items) -> list:
   """`function` of each item, on threads, results (or the first error) in order: a build's
   requests to an object store overlap instead of queueing (the demo's three groups at
@@ -333,7 +330,7 @@ def _each(function, items) -> list:
   items = list(items)
   if len(items) < 2:
     return [function(i) for i in items]
-  with concurrent.futures.ThreadPoolExecutor(min(len(items), BUILD_THREADS),
+  with concurrent.futures.ThreadPoolExecutor(min(len(items), io_limits.BUILD_THREADS),
                                              thread_name_prefix="bagel-grain-build") as pool:
     return list(pool.map(function, items))
 

@@ -20,7 +20,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 from pyarrow._parquet import ParquetReader  # pylint: disable=no-name-in-module
 
-from bagel_grain import fs, held_memory
+from bagel_grain import fs, held_memory, io_limits
 from bagel_grain.drops import Drop, DropReason
 from bagel_grain.errors import DatasetError
 from bagel_grain.sources.base import PartOffsets
@@ -131,7 +131,7 @@ class ParquetCatalog:
   def _read_footers(self, paths: Sequence[str]) -> None:
     """Reads the footers of `paths`, and probes the local ones for their pins
     (`_probe_pins`)."""
-    with concurrent.futures.ThreadPoolExecutor(sidecar.FOOTER_THREADS) as pool:
+    with concurrent.futures.ThreadPoolExecutor(io_limits.FOOTER_THREADS) as pool:
       self._probe_pins(pool, paths)
       for path, meta in zip(paths, pool.map(sidecar.read_footer, paths)):
         facts = sidecar.ParquetFileFacts.of_footer(meta)
