@@ -10,8 +10,9 @@ at build: S3 ETag, GCS generation and checksums) and every line is read pinned t
 it (`fs.open_random_access(pin=)`), so an identical re-upload (same bytes, a new
 upload time) reads on and anything else is refused. A local file is checked to be
 the one the build saw when opened and again at every line (deleted, or changed
-since: its size, or at the same size a new time and other first or last MiB). The lines of a file that changed are dropped
-as `unreadable_file` naming it, whatever the worker count.
+since: its size, or at the same size a new time and other first or last MiB). The
+lines of a file that changed are dropped as `unreadable_file` naming it, whatever
+the worker count.
 """
 
 from __future__ import annotations
