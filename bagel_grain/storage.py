@@ -271,10 +271,10 @@ def build_scope(policy: RetryPolicy) -> Iterator[None]:
 
 def retried(what: str, read: Callable[[], T]) -> T:
   """`read()` of the storage layer (`fs`): inside a `RetryPolicy.call` or an element's
-  computation, once (that loop, or the element's own, tries again); otherwise under the policy of the build in progress (`build_scope`; the
-  default deadline outside one), so that a transient failure at build time (a 503, a reset
-  connection) is waited out as in a stream, and one past the deadline is
-  `StorageUnavailableError` naming `what`."""
+  computation, once (that loop, or the element's own, tries again); otherwise under the
+  policy of the build in progress (`build_scope`; the default deadline outside one), so
+  that a transient failure at build time (a 503, a reset connection) is waited out as
+  in a stream, and one past the deadline is `StorageUnavailableError` naming `what`."""
   if _THREAD.retrying or _THREAD.element_start is not None:  # an element's code decides
     return read()
   return _BUILDS[-1].call(what, read)
