@@ -15,8 +15,10 @@ each request in flight holds one HTTP connection of its own (`remote.http`).
   and TLS handshake: one to three round trips before its first byte), so the bound
   covers the requests a process makes at once in steady state: the read-ahead's
   threads (`sources.readahead.THREADS`, up to `MAX_THREADS` = 64 per group as latency
-  asks). At 16, the demo from S3 at 50 ms with read-ahead opened 1.7-5 new connections
-  per row; at 64, 0.4-0.7. An idle socket costs a file descriptor and a few KiB.
+  asks). An A/B of the demo from S3 at 50 ms with read-ahead counted 1.7-5 new
+  connections per row at 16, 0.4-0.7 at 64 (on a machine loaded 10-17 on 2 cores,
+  where few requests overlap, 16 and 64 measured alike: 0-0.44 per row in steady
+  state). An idle socket costs a file descriptor and a few KiB.
 """
 
 BUILD_THREADS = 16
