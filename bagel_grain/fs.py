@@ -15,7 +15,10 @@ Reads and listings of objects go through our own bounded client (`remote.s3`,
 `remote.gcs` over `remote.http`): every request ends by the deadline of its
 scope (`deadline_scope`, which `storage.RetryPolicy` sets for each attempt), a
 body is read to at most its bound, a listing to at most `max_entries` files and
-never in circles, and redirects are not followed. Writes go through pyarrow.fs.
+never in circles, and redirects are not followed. Outside an element's computation
+(a build's listings, HEADs, footers, index files, probes), each read waits out
+transient failures under the build's policy (`storage.retried`). Writes go
+through pyarrow.fs.
 
 The API other modules build on (stable):
 
@@ -42,6 +45,7 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import functools
+import hashlib
 import io
 import os
 import posixpath
@@ -53,6 +57,7 @@ import urllib.parse
 import pyarrow as pa
 from pyarrow import fs as pafs
 
+from bagel_grain import storage
 from bagel_grain.remote import gcs, http, s3
 from bagel_grain.remote.http import deadline_scope  # noqa: F401  (re-exported)
 from bagel_grain.remote.objects import (MAX_LIST_ENTRIES, BadListing, FileInfo,  # noqa: F401
@@ -192,7 +197,10 @@ def file_info(path: str) -> FileInfo:
   remote = _object(path)
   if remote is None:
     return _local_info(os.path.abspath(path), follow=True)
-  client, bucket, key = remote
+  return storage.retried(path, lambda: _object_info(path, *remote))
+
+
+def _object_info(path: str, client, bucket: str, key: str) -> FileInfo:
   key = key.rstrip("/")
   if key:
     try:
@@ -236,7 +244,7 @@ def list_file_infos(folder: str, suffix: str = "",
   else:
     client, bucket, key = remote
     prefix = key.rstrip("/") + "/" if key.strip("/") else ""
-    infos = [i for i in client.list(bucket, prefix, max_entries)
+    infos = [i for i in storage.retried(folder, lambda: client.list(bucket, prefix, max_entries))
              if i.base_name.endswith(suffix)]
     base = folder.rstrip("/")
     infos = [dataclasses.replace(i, path=f"{base}/{i.base_name}") for i in infos]
@@ -270,8 +278,8 @@ def read_file(path: str, max_bytes: int | None, pin: FileInfo | None = None) -> 
   if remote is not None:
     client, bucket, key = remote
     try:
-      data = client.get(bucket, key, max_bytes=_NO_BOUND if max_bytes is None else max_bytes,
-                        pin=pin)
+      data = storage.retried(path, lambda: client.get(
+          bucket, key, max_bytes=_NO_BOUND if max_bytes is None else max_bytes, pin=pin))
     except http.BodyTooLarge as e:
       size = f"{e.size} bytes >" if e.size is not None else "more than"
       raise FileRefused(f"{path}: {size} {max_bytes} bytes", regular=True) from None
@@ -297,9 +305,64 @@ def _changed(path: str, pin: FileInfo | None) -> str:
 
 
 def _check_pin(path: str, size: int, mtime_ns: int, pin: FileInfo | None) -> None:
-  if pin is not None and (size, mtime_ns) != (pin.size, pin.mtime_ns):
-    raise ObjectChanged(f"{path} changed since it was listed (size, mtime now "
-                        f"{(size, mtime_ns)}, then {(pin.size, pin.mtime_ns)})")
+  why = pin_differs(path, size, mtime_ns, pin)
+  if why:
+    raise ObjectChanged(f"{path} changed since it was listed ({why})")
+
+
+def pin_differs(path: str, size: int, mtime_ns: int, pin: FileInfo | None) -> str | None:
+  """Why the local file `path`, now of `size` and `mtime_ns`, is not the one `pin` saw;
+  None if it is: its size and time agree, or, at the same size and another time (a
+  `touch`, an identical file uploaded again seen through a mount), its probe agrees with
+  the pin's (computed once per file and time in a process, then remembered)."""
+  if pin is None or (size, mtime_ns) == (pin.size, pin.mtime_ns):
+    return None
+  if size == pin.size and pin.probe is not None:
+    kind, digest = pin.probe
+    if _probe_at(path, kind, size, mtime_ns) == digest:
+      return None
+    return f"same size, a new time, and its {_PROBED[kind]} differs"
+  return f"size, mtime now {(size, mtime_ns)}, then {(pin.size, pin.mtime_ns)}"
+
+
+def with_probe(pin: FileInfo, kind: str) -> FileInfo:
+  """A local file's pin (its listing) with its probe, so that its reads accept the same
+  content at another time; unchanged for an object (its store identifies its content),
+  or if the file was no longer at the pin's size and time once probed."""
+  if is_uri(pin.path) or pin.probe is not None:
+    return pin
+  digest = _probe_at(pin.path, kind, int(pin.size), int(pin.mtime_ns))
+  return pin if digest is None else dataclasses.replace(pin, probe=(kind, digest))
+
+
+_PROBED = {"parquet": "footer", "jsonl": "first or last MiB"}
+PROBE_BYTES = 1 << 20  # a JSONL file's probe: its first and last MiB
+
+
+def probe(path: str, kind: str) -> str:
+  """SHA-256 of the bytes that stand for a file in a cheap check (`sources.identity`): a
+  parquet file's footer (and its length and magic), a JSONL file's first and last
+  `PROBE_BYTES`, with its size."""
+  with open_random_access(path) as f:
+    size = f.size()
+    if kind == "parquet":
+      tail = f.read_at(min(size, 8), max(0, size - 8))
+      footer = int.from_bytes(tail[:4], "little") + 8 if len(tail) == 8 else len(tail)
+      data = f.read_at(min(size, footer), max(0, size - footer))
+    else:
+      data = f.read_at(min(size, PROBE_BYTES), 0)
+      if size > PROBE_BYTES:
+        data += f.read_at(min(size - PROBE_BYTES, PROBE_BYTES), max(PROBE_BYTES,
+                                                                     size - PROBE_BYTES))
+  return hashlib.sha256(size.to_bytes(8, "little") + data).hexdigest()
+
+
+@functools.lru_cache(maxsize=4096)
+def _probe_at(path: str, kind: str, size: int, mtime_ns: int) -> str | None:
+  """`probe` of a local file seen at (size, mtime_ns); None if it changed while read."""
+  digest = probe(path, kind)
+  st = os.stat(path)
+  return digest if (st.st_size, st.st_mtime_ns) == (size, mtime_ns) else None
 
 
 def read_range(path: str, offset: int, length: int, pin: FileInfo | None = None) -> bytes:
@@ -315,8 +378,8 @@ def read_range(path: str, offset: int, length: int, pin: FileInfo | None = None)
       return os.pread(f.fileno(), length, offset)
   client, bucket, key = remote
   try:
-    return client.get(bucket, key, max_bytes=length, first=offset, last=offset + length - 1,
-                      pin=pin)
+    return storage.retried(path, lambda: client.get(
+        bucket, key, max_bytes=length, first=offset, last=offset + length - 1, pin=pin))
   except http.PreconditionFailed:
     raise ObjectChanged(_changed(path, pin)) from None
   except http.HTTPStatusError as e:
@@ -325,12 +388,42 @@ def read_range(path: str, offset: int, length: int, pin: FileInfo | None = None)
     raise
 
 
-class _RangedObject(io.RawIOBase):
-  """An object read by ranged requests, as a seekable raw file (pyarrow and PyAV wrap it)."""
+class ObjectHandle:
+  """One object's ranged reads (`read_at(length, offset)`, as a pyarrow file's), each its
+  own request, pinned to the identity `info` (its listing or HEAD) seen when it was
+  opened: every range is of that content (GCS generation, S3 ETag), and a change is
+  `ObjectChanged`, a definite answer. Nothing is held open and nothing is shared between
+  reads, so threads read ranges of one object at once (pyarrow's `PythonFile` holds a
+  lock across each of its reads)."""
 
-  def __init__(self, path: str, size: int, pin: FileInfo | None):
+  def __init__(self, path: str, info: FileInfo):
+    self.path, self.info = path, info
+
+  def size(self) -> int:
+    return int(self.info.size)
+
+  def read_at(self, length: int, offset: int) -> bytes:
+    return read_range(self.path, offset, length, pin=self.info)
+
+  def close(self) -> None:
+    """Nothing held open: each range is one request."""
+
+
+def open_object(path: str, pin: FileInfo | None = None) -> ObjectHandle:
+  """An object's handle: pinned to `pin` (a listing's entry: no request), else to what
+  one HEAD reports. FileNotFoundError when there is no such object."""
+  info = pin if pin is not None and pin.size is not None else file_info(path)
+  if info.kind != "file":
+    raise FileNotFoundError(f"{path}: no such object ({info.kind})")
+  return ObjectHandle(path, info)
+
+
+class _RangedObject(io.RawIOBase):
+  """An `ObjectHandle` as a seekable raw file (for pyarrow's `PythonFile`)."""
+
+  def __init__(self, handle: ObjectHandle):
     super().__init__()
-    self._path, self._size, self._pin, self._pos = path, size, pin, 0
+    self._handle, self._size, self._pos = handle, handle.size(), 0
 
   def readable(self) -> bool:
     return True
@@ -347,31 +440,31 @@ class _RangedObject(io.RawIOBase):
     return self._pos
 
   def readinto(self, buffer) -> int:
-    want = min(len(buffer), max(0, self._size - self._pos))
-    data = read_range(self._path, self._pos, want, self._pin) if want else b""
+    data = self._read(len(buffer))
     buffer[:len(data)] = data
-    self._pos += len(data)
     return len(data)
 
   def readall(self) -> bytes:
-    data = read_range(self._path, self._pos, max(0, self._size - self._pos), self._pin)
+    return self._read(self._size)
+
+  def _read(self, length: int) -> bytes:
+    want = min(length, max(0, self._size - self._pos))
+    data = self._handle.read_at(want, self._pos) if want else b""
     self._pos += len(data)
     return data
 
 
 def open_random_access(path: str, pin: FileInfo | None = None):
   """A seekable pyarrow file (`read_at`, `size`, `seek`, `read`) for parquet footers and
-  row groups and JSONL lines; on an object store each read is one ranged request, with
-  `pin` as in `read_file`."""
+  row groups and index files. On an object store each read is one ranged request of the
+  content `pin` (a listing's entry) saw, else of the content its HEAD reported
+  (`ObjectHandle`); locally, with `pin` as in `read_file`."""
   if _object(path) is None:
     if pin is not None:
       st = os.stat(path)
       _check_pin(path, st.st_size, st.st_mtime_ns, pin)
     return pafs.LocalFileSystem().open_input_file(os.path.abspath(path))
-  info = pin if pin is not None and pin.size is not None else file_info(path)
-  if info.kind != "file":
-    raise FileNotFoundError(f"{path}: no such object")
-  return pa.PythonFile(_RangedObject(path, int(info.size), pin), mode="r")
+  return pa.PythonFile(_RangedObject(open_object(path, pin)), mode="r")
 
 
 def _check_file(path: str, regular: bool, size: int, max_bytes: int | None) -> None:

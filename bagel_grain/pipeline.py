@@ -19,7 +19,7 @@ from typing import Any, Mapping, Sequence
 import grain
 import numpy as np
 
-from bagel_grain import fs, images, storage
+from bagel_grain import fs, images, io_limits, storage
 from bagel_grain.config import STREAM_NEUTRAL_FIELDS, GroupConfig, PipelineConfig
 from bagel_grain.errors import ConfigError, DatasetError, StateMismatchError
 from bagel_grain.families.base import FamilyTransform
@@ -323,9 +323,6 @@ def _config_defaults() -> dict[str, Any]:
           if f.default is not dataclasses.MISSING}
 
 
-BUILD_THREADS = 16
-
-
 def _each(function, items) -> list:
   """`function` of each item, on threads, results (or the first error) in order: a build's
   requests to an object store overlap instead of queueing (the demo's three groups at
@@ -333,7 +330,7 @@ def _each(function, items) -> list:
   items = list(items)
   if len(items) < 2:
     return [function(i) for i in items]
-  with concurrent.futures.ThreadPoolExecutor(min(len(items), BUILD_THREADS),
+  with concurrent.futures.ThreadPoolExecutor(min(len(items), io_limits.BUILD_THREADS),
                                              thread_name_prefix="bagel-grain-build") as pool:
     return list(pool.map(function, items))
 
@@ -370,6 +367,16 @@ def build_pipeline(cfg: PipelineConfig, tokenizer, *, seed: int | None = None,
   defaults to the config's (NeMo's `step_scheduler.local_batch_size`), rows per
   batch of this process.
   """
+  # The build's reads (listings, footers, index files) wait out transient failures as a
+  # stream's do, within the same deadline.
+  with storage.build_scope(storage.policy_for(cfg.storage_timeout_s, cfg.element_timeout_s)):
+    return _build_pipeline(cfg, tokenizer, seed=seed, process_index=process_index,
+                           process_count=process_count, batch_size=batch_size, workers=workers)
+
+
+def _build_pipeline(cfg: PipelineConfig, tokenizer, *, seed: int | None, process_index: int,
+                    process_count: int, batch_size: int | None,
+                    workers: int | None) -> BatchDataset:
   order_seed, seed = stream_seeds(cfg, seed)
   if cfg.allow_truncated_images:
     images.enable_truncated_images()  # process-wide Pillow switch, applied at build time
@@ -391,6 +398,10 @@ def build_pipeline(cfg: PipelineConfig, tokenizer, *, seed: int | None = None,
   def rows_on(eras: Plan) -> tuple[ShardInterleaveDataset, dict[int, dict[str, list[int]]]]:
     """The served shards' rows with the groups' record sets `eras`, and per shard the
     first epoch of each later set."""
+    with storage.build_scope(storage.policy_for(cfg.storage_timeout_s, cfg.element_timeout_s)):
+      return _rows_on(eras)
+
+  def _rows_on(eras: Plan):
     grown = {g: grown_source(cfg, g, sources[g], eras[cfg.groups[g].name].sets)
              for g in range(len(cfg.groups)) if cfg.groups[g].name in eras}
     sets = {g: [set_blocks(cfg, g, source, m) for m in eras[cfg.groups[g].name].sets]

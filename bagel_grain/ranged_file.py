@@ -135,36 +135,9 @@ class VideoHead:
   path: str
 
 
-class ObjectHandle:
-  """One object's ranged reads, pinned to the identity (`fs.FileInfo`) seen when it was
-  opened: every range a sample reads is of that content (GCS generation, S3 ETag), and
-  a change mid-sample is `fs.ObjectChanged`, a definite answer."""
-
-  def __init__(self, path: str, info: fs.FileInfo):
-    self.path, self.info = path, info
-
-  def size(self) -> int:
-    return int(self.info.size)
-
-  def read_at(self, length: int, offset: int) -> bytes:
-    return fs.read_range(self.path, offset, length, pin=self.info)
-
-  def close(self) -> None:
-    """Nothing held open: each range is one request."""
-
-
-def open_object(path: str) -> ObjectHandle:
-  """A video object's handle (one HEAD: its size and identity). The one place video reads
-  enter the storage layer (`bagel_grain.fs`)."""
-  info = fs.file_info(path)
-  if info.kind != "file":
-    raise FileNotFoundError(f"{path}: no such object ({info.kind})")
-  return ObjectHandle(path, info)
-
-
 def read_head(path: str) -> tuple[tuple[fs.FileInfo, bytes], int]:
   """(the object's `FileInfo`, its first `WHOLE_BYTES` bytes), and the bytes held: one
   HEAD, one ranged read. Tried once, as every read ahead."""
-  handle = open_object(path)
+  handle = fs.open_object(path)
   head = handle.read_at(min(handle.size(), WHOLE_BYTES), 0)
   return (handle.info, head), len(head)

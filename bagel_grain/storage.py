@@ -127,6 +127,7 @@ class _ThreadState(threading.local):
   element_start: float | None = None
   spent: ElementStorage | None = None
   abandoned: threading.Event | None = None  # set: nobody waits for this element any more
+  retrying = False  # inside a `RetryPolicy.call`: its loop tries the whole read again
 
 
 _THREAD = _ThreadState()
@@ -225,6 +226,7 @@ class RetryPolicy:
     attempt = 0
     while True:
       tried = time.monotonic()
+      outer, _THREAD.retrying = _THREAD.retrying, True
       try:
         with deadline_scope(deadline):  # holds inside each request, not only between them
           value = read()
@@ -246,5 +248,33 @@ class RetryPolicy:
           _THREAD.spent.retries += 1
           _THREAD.spent.wait_s += time.monotonic() - tried
         continue
+      finally:
+        _THREAD.retrying = outer
       OUTAGE.succeeded(recovered=attempt > 0)
       return value
+
+
+_BUILDS: list[RetryPolicy] = [RetryPolicy()]  # innermost last: see `build_scope`
+
+
+@contextlib.contextmanager
+def build_scope(policy: RetryPolicy) -> Iterator[None]:
+  """While a pipeline is built, the reads that are not inside an element's (its listings,
+  footers, index files, probes, HEADs) wait out transient failures under its `policy`.
+  Process-wide, not per thread: a build reads on pools of threads."""
+  _BUILDS.append(policy)
+  try:
+    yield
+  finally:
+    _BUILDS.remove(policy)
+
+
+def retried(what: str, read: Callable[[], T]) -> T:
+  """`read()` of the storage layer (`fs`): inside a `RetryPolicy.call` or an element's
+  computation, once (that loop, or the element's own, tries again); otherwise under the
+  policy of the build in progress (`build_scope`; the default deadline outside one), so
+  that a transient failure at build time (a 503, a reset connection) is waited out as
+  in a stream, and one past the deadline is `StorageUnavailableError` naming `what`."""
+  if _THREAD.retrying or _THREAD.element_start is not None:  # an element's code decides
+    return read()
+  return _BUILDS[-1].call(what, read)

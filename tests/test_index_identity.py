@@ -2,12 +2,14 @@
 
 import logging
 import os
+import pickle
 import shutil
 
 import pytest
 import yaml
 
 from bagel_grain import fs
+from bagel_grain.drops import Drop, DropReason
 from bagel_grain.errors import DatasetError
 from bagel_grain.sources import identity, sidecar
 from bagel_grain.sources.jsonl import JsonlLineSource
@@ -182,3 +184,68 @@ def test_verify_compares_an_index_that_knew_only_an_s3_multipart_etag(tmp_path):
   other = identity.Identity(read.size, 1, etag="0" * 32 + "-1")
   assert not identity.verified(other, identity.Identity(read.size, 2), read)[0]
   assert not identity.verified(identity.Identity(read.size), identity.Identity(read.size), read)[0]
+
+
+# --- a file whose time changes mid-run: its content decides, in every process -----------
+
+
+def _mid_run_corpus(tmp_path, kind, indexed):
+  """(build a source of one file, that file, its records read in source order)."""
+  folder = tmp_path / "pq"
+  folder.mkdir()
+  path = write_parquet(folder / "part-0.parquet", [[f"0:{g}:{r}" for r in range(3)]
+                                                   for g in range(3)])
+  lines = tmp_path / "rows.jsonl"
+  lines.write_bytes(b"".join(f'{{"n": {i:03d}}}\n'.encode() for i in range(30)))
+  if indexed:
+    sidecar.write_parquet_index(str(folder))
+    sidecar.write_jsonl_index(str(lines))
+  if kind == "parquet":
+    return (lambda: dataset_source(str(folder), None, ["id"])), path, 9
+  return (lambda: JsonlLineSource(str(lines))), str(lines), 30
+
+
+def _new_time(path):
+  st = os.stat(path)
+  os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns + 5_000_000_000))
+
+
+@pytest.mark.parametrize("kind", ["parquet", "jsonl"])
+@pytest.mark.parametrize("indexed", [True, False])
+def test_an_identical_file_with_a_new_time_mid_run_loses_nothing_in_any_process(
+    tmp_path, monkeypatch, kind, indexed):
+  build, path, count = _mid_run_corpus(tmp_path, kind, indexed)
+  main = build()
+  worker = pickle.loads(pickle.dumps(main))  # what a worker gets: opens the file afresh
+  expected = [main[i] for i in range(count)]  # the main process has the file open
+  data = open(path, "rb").read()
+  open(path, "wb").write(data)  # uploaded again (through a mount): same bytes, a new time
+  _new_time(path)
+  probes = []
+  real = fs.probe
+  monkeypatch.setattr(fs, "probe", lambda *a: probes.append(a) or real(*a))
+  for process in (main, worker):
+    assert [process[i] for i in range(count)] == expected
+  assert len(probes) == 1  # once per file and new time, not once per read
+
+
+@pytest.mark.parametrize("kind", ["parquet", "jsonl"])
+@pytest.mark.parametrize("indexed", [True, False])
+def test_a_same_size_rewrite_mid_run_drops_the_file_in_every_process(tmp_path, kind, indexed):
+  build, path, _ = _mid_run_corpus(tmp_path, kind, indexed)
+  main = build()
+  worker = pickle.loads(pickle.dumps(main))
+  assert main[0]
+  size = os.path.getsize(path)
+  if kind == "parquet":
+    write_parquet(path, [[f"7:{g}:{r}" for r in range(3)] for g in range(3)])
+  else:
+    data = open(path, "rb").read()
+    open(path, "wb").write(data.replace(b'"n": 017', b'"n": 071'))
+  assert os.path.getsize(path) == size
+  _new_time(path)
+  for process in (main, worker):
+    with pytest.raises(Drop, match=rf"{os.path.basename(path)} changed since the stream was "
+                       "built") as e:
+      process[4]
+    assert e.value.reason == DropReason.UNREADABLE_FILE

@@ -23,6 +23,7 @@ from bagel_grain.errors import StorageUnavailableError
 from bagel_grain.pipeline import build_pipeline, pipeline_stats
 from bagel_grain.sources import identity, sidecar
 from bagel_grain.sources.jsonl import JsonlLineSource
+from bagel_grain.sources.parquet import dataset_source
 from bagel_grain.tokenizer import load_tokenizer
 from bagel_grain.tooling.cli import NoProgress
 from conftest import CONFIGS
@@ -92,6 +93,34 @@ def test_listing_and_ranges_through_the_filesystem_layer(bucket, demo_dir, monke
   assert fs.read_bytes(f"{root}/vlm/sft.jsonl") == data
   with fs.open_random_access(f"{root}/vlm/sft.jsonl") as f:
     assert f.read_at(100, 1000) == data[1000:1100]
+
+
+@pytest.mark.parametrize("bucket", ["s3"], indirect=True)
+def test_row_groups_of_one_object_are_read_at_once_by_several_threads(bucket, monkeypatch):
+  # Read-ahead reads several row groups of one file at once: each read opens its own
+  # handle, none waits on another's file lock (pyarrow's PythonFile holds one per read).
+  store, root = bucket
+  for name, value in store.environment().items():
+    monkeypatch.setenv(name, value)
+  source = dataset_source(f"{root}/t2i", None, ["image"])
+  firsts = [int(s) for s in np.cumsum(source.block_sizes())[:2] - source.block_sizes()[:2]]
+  both, met = threading.Barrier(2, timeout=20), []
+  real = fs.read_range
+
+  def meeting(path, offset, length, pin=None):
+    if length > 64 << 10 and not met:  # a column chunk (not the footer): meet the other's
+      both.wait()
+      met.append(path)
+    return real(path, offset, length, pin)
+
+  monkeypatch.setattr(fs, "read_range", meeting)
+  threads = [threading.Thread(target=source.__getitem__, args=(i,)) for i in firsts]
+  for thread in threads:
+    thread.start()
+  for thread in threads:
+    thread.join()
+  assert len(met) == 2 and not both.broken  # both threads were in a ranged read at once
+  assert met[0] == met[1]  # of the same object
 
 
 def _echo_server() -> tuple[socket.socket, threading.Thread]:
@@ -252,6 +281,38 @@ def test_an_object_failing_its_first_reads_is_read_again_and_packed_once(
   assert proxy.counts()["fault_503"] == 3
   assert not errors and keys == local_epoch
   assert stats["storage"]["vlm_sft"]["retries"] >= 1
+
+
+# The build's reads: footers (".parquet": the demo's t2i folder has no index) and listings.
+@pytest.mark.parametrize("bucket, fault, match", [
+    ("s3", "503", ".parquet"), ("s3", "reset", ".parquet"), ("s3", "reset", "prefix="),
+    ("gcs", "503", "prefix=")], indirect=["bucket"])
+def test_faults_at_build_are_waited_out_and_the_stream_is_a_clean_runs(
+    bucket, fault, match, demo_dir, demo_tokenizer, local_epoch, monkeypatch):
+  store, root = bucket
+  proxy = store.fault_proxy()
+  _through(proxy, store, monkeypatch)
+  proxy.fault(fault, count=3, match=match)
+  keys, stats, errors = _run_epoch(_epoch_config(root, demo_dir), demo_tokenizer, 0, root,
+                                   demo_dir)
+  assert proxy.counts()[f"fault_{fault}"] == 3
+  assert not errors and keys == local_epoch
+  assert all(not d for d in stats["drops"].values())
+
+
+@pytest.mark.parametrize("bucket", ["s3"], indirect=True)
+def test_a_build_time_outage_past_the_deadline_is_a_storage_error_naming_the_object(
+    bucket, demo_dir, demo_tokenizer, monkeypatch):
+  store, root = bucket
+  proxy = store.fault_proxy()
+  _through(proxy, store, monkeypatch)
+  proxy.fault("503", seconds=60, match="t2i/part-00000.parquet")
+  cfg = _epoch_config(root, demo_dir, storage_timeout_s=1.5)
+  started = time.monotonic()
+  with pytest.raises(StorageUnavailableError, match=r"reading \S*t2i/part-00000\.parquet: "):
+    build_pipeline(cfg, demo_tokenizer, batch_size=2, workers=0)
+  assert time.monotonic() - started < 30  # the deadline, not the outage (60 s)
+  assert proxy.counts()["fault_503"] > 2  # tried again before giving up
 
 
 @pytest.mark.parametrize("bucket", ["s3"], indirect=True)

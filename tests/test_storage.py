@@ -149,3 +149,35 @@ def test_the_storage_error_crosses_processes_as_itself():
   error = StorageUnavailableError("gs://b/x", "OSError: reset", 12.5, 7)
   again = pickle.loads(pickle.dumps(error))
   assert type(again) is StorageUnavailableError and str(again) == str(error)
+
+
+def test_a_storage_read_outside_any_element_is_retried_under_the_builds_policy():
+  # A build's listing or footer read: waited out like a stream's, to the build's deadline.
+  failures = iter([ConnectionResetError(), OSError(S3_503)])
+
+  def read():
+    error = next(failures, None)
+    if error is not None:
+      raise error
+    return b"footer"
+
+  with storage.build_scope(FAST):
+    assert storage.retried("s3://b/part-0.parquet", read) == b"footer"
+  with storage.build_scope(RetryPolicy(timeout_s=0.05, first_wait_s=0.01)):
+    with pytest.raises(StorageUnavailableError, match="reading s3://b/part-0.parquet"):
+      storage.retried("s3://b/part-0.parquet", lambda: (_ for _ in ()).throw(TimeoutError()))
+
+
+def test_a_storage_read_inside_a_policys_call_or_an_element_is_tried_once():
+  # The enclosing loop (a record's, a file's) tries the whole read again: no retries inside it.
+  calls = []
+
+  def read():
+    calls.append(1)
+    raise ConnectionResetError()
+
+  with pytest.raises(StorageUnavailableError):  # the outer deadline passed: no second try
+    RetryPolicy(timeout_s=0.0).call("x", lambda: storage.retried("x", read))
+  with element_scope(), pytest.raises(ConnectionResetError):
+    storage.retried("x", read)
+  assert len(calls) == 2

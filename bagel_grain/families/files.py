@@ -15,11 +15,12 @@ import os
 from typing import IO, Any, Iterable, Iterator, Protocol
 
 from bagel_grain import fs
+from bagel_grain.fs import ObjectHandle, open_object
 from bagel_grain.drops import Drop, DropReason, require
 from bagel_grain.families.base import is_text
 from bagel_grain.families.video import order_folder_entries
 from bagel_grain.images import DEFAULT_MAX_IMAGE_BYTES
-from bagel_grain.ranged_file import ObjectHandle, RangedFile, open_object
+from bagel_grain.ranged_file import RangedFile
 from bagel_grain.sources.framing import LineWithFiles
 from bagel_grain.sources.readahead import ReadAhead
 from bagel_grain.storage import RetryPolicy, is_transient

@@ -36,12 +36,13 @@ import time
 import urllib.parse
 from typing import Iterator
 
+from bagel_grain import io_limits
+
 IDLE_S = 10.0  # a socket that receives nothing this long fails (transient)
 CONNECT_S = 5.0
 ATTEMPT_S = 120.0  # an attempt outside any deadline scope ends by this
 ERROR_BODY_BYTES = 64 << 10  # read of an error answer, for its message
 _CHUNK = 1 << 16
-_IDLE_PER_HOST = 16
 
 
 class TransientHTTPError(ConnectionError):
@@ -235,7 +236,7 @@ class _Pool:
            f"{conn.host}:{conn.port}")
     with self._lock:
       idle = self._idle.setdefault(key, [])
-      if len(idle) < _IDLE_PER_HOST:
+      if len(idle) < io_limits.IDLE_PER_HOST:
         idle.append(conn)
         return
     conn.close()

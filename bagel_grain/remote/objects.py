@@ -27,7 +27,9 @@ class FileInfo:
   `kind` is "file", "folder", "missing" or "special file" (FIFO, device, socket).
   `etag`, `generation`, `md5` (hex) and `crc32c` (8 hex digits) are what an
   object store reports (None where it reports nothing: always on local disk);
-  `generation` is the GCS generation or the S3 version id.
+  `generation` is the GCS generation or the S3 version id. `probe` (local files, as a
+  pin): (kind, SHA-256) of the bytes that stand for the content (`bagel_grain.fs.probe`),
+  as the build knew them, so a pinned read of a file whose time changed compares content.
   """
 
   path: str
@@ -38,6 +40,7 @@ class FileInfo:
   generation: str | None = None
   md5: str | None = None
   crc32c: str | None = None
+  probe: tuple[str, str] | None = None
 
   @property
   def base_name(self) -> str:

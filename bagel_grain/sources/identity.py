@@ -32,9 +32,9 @@ from typing import Callable
 import google_crc32c
 
 from bagel_grain import fs
+from bagel_grain.fs import PROBE_BYTES, probe  # noqa: F401  (what an index records)
 
 S3_PART_BYTES = 8 << 20  # the AWS CLI's and boto3's multipart threshold and part size
-PROBE_BYTES = 1 << 20  # a JSONL file's probe: its first and last MiB
 _READ_BYTES = S3_PART_BYTES
 
 
@@ -131,23 +131,6 @@ def content(path: str, progress: Callable[[int], object] | None = None) -> Ident
     etag = f"{hashlib.md5(b''.join(parts)).hexdigest()}-{len(parts)}"
   return Identity(size, int(info.mtime_ns or 0), md5=md5.hexdigest(),
                   crc32c=crc.digest().hex(), etag=etag)
-
-
-def probe(path: str, kind: str) -> str:
-  """SHA-256 of the bytes that stand for the file in a cheap check: a parquet file's
-  footer (and its length and magic), a JSONL file's first and last `PROBE_BYTES`."""
-  with fs.open_random_access(path) as f:
-    size = f.size()
-    if kind == "parquet":
-      tail = f.read_at(min(size, 8), max(0, size - 8))
-      footer = int.from_bytes(tail[:4], "little") + 8 if len(tail) == 8 else len(tail)
-      data = f.read_at(min(size, footer), max(0, size - footer))
-    else:
-      data = f.read_at(min(size, PROBE_BYTES), 0)
-      if size > PROBE_BYTES:
-        data += f.read_at(min(size - PROBE_BYTES, PROBE_BYTES), max(PROBE_BYTES,
-                                                                     size - PROBE_BYTES))
-  return hashlib.sha256(size.to_bytes(8, "little") + data).hexdigest()
 
 
 def indexed(path: str, listed: Identity, kind: str,

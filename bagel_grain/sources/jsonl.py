@@ -9,13 +9,15 @@ file the build saw. An object is identified as its store reports it (its `FileIn
 at build: S3 ETag, GCS generation and checksums) and every line is read pinned to
 it (`fs.open_random_access(pin=)`), so an identical re-upload (same bytes, a new
 upload time) reads on and anything else is refused. A local file is checked to be
-the one the build saw (size and modification time) when opened and again at every
-line (deleted, or changed, since). The lines of a file that changed are dropped
-as `unreadable_file` naming it, whatever the worker count.
+the one the build saw when opened and again at every line (deleted, or changed
+since: its size, or at the same size a new time and other first or last MiB). The
+lines of a file that changed are dropped as `unreadable_file` naming it, whatever
+the worker count.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import os
 import threading
@@ -23,7 +25,7 @@ import time
 
 import numpy as np
 
-from bagel_grain import fs, ranged_file
+from bagel_grain import fs
 from bagel_grain.drops import Drop, DropReason
 from bagel_grain.sources import sidecar
 
@@ -46,8 +48,12 @@ class JsonlLineSource:
   def __init__(self, path: str, *, num_used: int | None = None, shuffle_lines: bool = False,
                shuffle_seed: int = 0):
     self._path = path
-    self._stamp = _stamp(path)  # before the scan: a change during it shows too
+    stamp = _stamp(path)  # before the scan: a change during it shows too
     self._index: sidecar.LineIndex | None = sidecar.LineIndex(path)
+    known = self._index.identity  # the index's probe, else this file's now
+    self._stamp = (dataclasses.replace(stamp, probe=("jsonl", known.probe))
+                   if known is not None and known.probe and not fs.is_uri(path)
+                   else fs.with_probe(stamp, "jsonl"))
     count = self._index.count if num_used is None else min(num_used, self._index.count)
     self._seed = shuffle_seed if shuffle_lines else None
     self._span = (0, count)
@@ -164,32 +170,25 @@ class JsonlLineSource:
     return data[:-1] if data.endswith(b"\r") else data
 
 
-def _stamp(path: str) -> fs.FileInfo | tuple[int, int]:
+def _stamp(path: str) -> fs.FileInfo:
   """What tells the file the build saw: an object's `FileInfo` (its reads are pinned to
-  it), a local file's (size, modification time in ns)."""
+  it), a local file's size and modification time, and its probe (see `_LocalLines`)."""
   if fs.is_uri(path):
     return fs.file_info(path)
   st = os.stat(path)
-  return st.st_size, st.st_mtime_ns
+  return fs.FileInfo(os.path.abspath(path), "file", st.st_size, st.st_mtime_ns)
 
 
-def _changed(path: str, now: tuple[int, int], indexed: tuple[int, int]) -> Drop:
-  return Drop(DropReason.UNREADABLE_FILE,
-              f"{path} changed since the stream was built (size, mtime now {now}, then "
-              f"{indexed}): its lines are not read")
-
-
-def _open_checked(path: str, indexed: fs.FileInfo | tuple[int, int]):
+def _open_checked(path: str, indexed: fs.FileInfo):
   """The file opened for reading by offset, if it is still the one indexed; else Drop.
 
   An object's lines are ranged reads pinned to the listing (each read checked by the
   store: no request of ours), one request a line, each on its own: the read-ahead
-  threads read many lines of one file at once. Not `fs.open_random_access`: pyarrow's
-  `PythonFile` holds a lock across a `read_at` (seek, then read), so one request at a
-  time per file, and the lines of a JSONL at 50 ms a request came one after the other.
+  threads read many lines of one file at once (`fs.ObjectHandle`: not pyarrow's
+  `PythonFile`, whose lock sent them one at a time).
   """
-  if isinstance(indexed, fs.FileInfo):
-    return ranged_file.ObjectHandle(path, indexed)
+  if fs.is_uri(path):
+    return fs.ObjectHandle(path, indexed)
   return _LocalLines(path, indexed)
 
 
@@ -197,14 +196,17 @@ class _LocalLines:
   """A local JSONL file read with `pread`, checked to be the one the build saw.
 
   On a local file system one `fstat` a line (about 10 us in Python) tells a deleted
-  file (no link left) or one rewritten in place. On a network or FUSE mount (gcsfuse,
+  file (no link left) or one rewritten in place: another size, or the same size and
+  another time with other first or last MiB (`fs.pin_differs`: an identical file
+  with a new time, a `touch` or an upload seen through a mount, reads on; its probe
+  is read once per new time). On a network or FUSE mount (gcsfuse,
   NFS) an `fstat` may be a metadata request to the server once its cache lapses
   (gcsfuse with a stat TTL of 0: every one), tens of milliseconds a line: there the
   file is checked when opened and then at most once every `MOUNT_CHECK_S`, so a change
   is seen within that time. The descriptor closes with the object.
   """
 
-  def __init__(self, path: str, indexed: tuple[int, int]):
+  def __init__(self, path: str, indexed: fs.FileInfo):
     self._path, self._indexed = path, indexed
     self._file = io.FileIO(path, "r")
     self._every_s = MOUNT_CHECK_S if on_network_mount(path) else 0.0
@@ -221,8 +223,10 @@ class _LocalLines:
     if st.st_nlink == 0:
       raise Drop(DropReason.UNREADABLE_FILE,
                  f"{self._path} was deleted while the stream ran: its lines are not read")
-    if (st.st_size, st.st_mtime_ns) != self._indexed:
-      raise _changed(self._path, (st.st_size, st.st_mtime_ns), self._indexed)
+    why = fs.pin_differs(self._path, st.st_size, st.st_mtime_ns, self._indexed)
+    if why:
+      raise Drop(DropReason.UNREADABLE_FILE, f"{self._path} changed since the stream was "
+                 f"built ({why}): its lines are not read")
 
   def read_at(self, nbytes: int, offset: int) -> bytes:
     self._check()

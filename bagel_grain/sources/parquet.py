@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
+import dataclasses
 import functools
 import json
 import os
@@ -19,7 +20,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 from pyarrow._parquet import ParquetReader  # pylint: disable=no-name-in-module
 
-from bagel_grain import fs, held_memory
+from bagel_grain import fs, held_memory, io_limits
 from bagel_grain.drops import Drop, DropReason
 from bagel_grain.errors import DatasetError
 from bagel_grain.sources.base import PartOffsets
@@ -128,7 +129,10 @@ class ParquetCatalog:
     self._file_blocks = PartOffsets([per_file[f] for f in self.files])
 
   def _read_footers(self, paths: Sequence[str]) -> None:
-    with concurrent.futures.ThreadPoolExecutor(sidecar.FOOTER_THREADS) as pool:
+    """Reads the footers of `paths`, and probes the local ones for their pins
+    (`_probe_pins`)."""
+    with concurrent.futures.ThreadPoolExecutor(io_limits.FOOTER_THREADS) as pool:
+      self._probe_pins(pool, paths)
       for path, meta in zip(paths, pool.map(sidecar.read_footer, paths)):
         facts = sidecar.ParquetFileFacts.of_footer(meta)
         if path in self._counts and (self._counts[path] != len(facts.row_group_rows)
@@ -145,6 +149,16 @@ class ParquetCatalog:
         if column not in names:
           raise DatasetError(f"parquet file lacks column {column!r}; it has {sorted(names)}",
                              file=path, field=column)
+
+  def _probe_pins(self, pool, paths: Sequence[str]) -> None:
+    """A local file's pin carries its footer's probe (the index's, or read now with its
+    footer), so a file whose time alone changes mid-run (a `touch`, an identical file
+    uploaded again under a mount) is still read; a rewrite is still refused. Updated in
+    place: the sources built on this catalog share the dict."""
+    local = [p for p in paths if p in self.pins and not fs.is_uri(p)]
+    for path, pin in zip(local, pool.map(lambda p: fs.with_probe(self.pins[p], "parquet"),
+                                         local)):
+      self.pins[path] = pin
 
   @property
   def num_blocks(self) -> int:
@@ -191,6 +205,9 @@ def dataset_catalog(data_dir: str, num_used: int | None, columns: Sequence[str],
   names = [(i.base_name, int(i.size)) for i in listed]  # the manifest's: no second listing
   facts = sidecar.read_parquet_index(data_dir, listed)
   if facts is not None:
+    for path, pin in pins.items():  # the index's probe: what a file whose time changes is
+      if not fs.is_uri(path) and facts[path].identity.probe:
+        pins[path] = dataclasses.replace(pin, probe=("parquet", facts[path].identity.probe))
     for info in listed:  # the index's counts size the order as a footer's would
       path = fs.join(data_dir, info.base_name)
       parquet_footer.check_indexed_rows(facts[path].row_group_rows, int(info.size), path,

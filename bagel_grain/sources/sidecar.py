@@ -42,7 +42,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from bagel_grain import fs
+from bagel_grain import fs, io_limits
 from bagel_grain.errors import DatasetError
 from bagel_grain.sources import identity, parquet_footer
 
@@ -57,7 +57,6 @@ CHECK_BLOCK = 1 << 20  # bytes of a .npy sidecar per CRC-32
 _SCAN_CHUNK = 1 << 24
 _GATHER_CHUNK = 1 << 20  # boundaries read at a time when gathering a shard's lines
 _WHOLE_READ_SHARE = 8  # a share of over 1/8 of the lines reads every boundary at once
-FOOTER_THREADS = 16
 # Without an index a build reads every footer / scans every line: worth a warning from
 # about a second of start-up on (100 footers on an object store at 20 ms, 1M lines).
 WARN_FILES = 100
@@ -165,7 +164,7 @@ def write_parquet_index(data_dir: str, progress: Callable | None = None) -> str:
   """Reads every parquet file of the folder once (its checksums, unless the listing gives
   them, and its footer); writes the folder's index. `progress(n)`: n bytes read."""
   files = list_parquet_files(data_dir)
-  with concurrent.futures.ThreadPoolExecutor(FOOTER_THREADS) as pool:
+  with concurrent.futures.ThreadPoolExecutor(io_limits.FOOTER_THREADS) as pool:
     done = list(pool.map(lambda f: indexed_parquet_file(fs.join(data_dir, f[0]), f[1], progress),
                          files))
   path = fs.join(data_dir, PARQUET_INDEX)

@@ -21,7 +21,7 @@ from typing import Sequence
 
 import apache_beam as beam
 
-from bagel_grain import fs
+from bagel_grain import fs, io_limits
 from bagel_grain.sources import identity, sidecar
 from bagel_grain.tooling import beam_runner
 
@@ -39,9 +39,9 @@ def folder_files(folder: str, files_per_task: int):
 
 def footer_facts(item):
   """(folder, files) -> (folder, (name, identity, facts)) per file; a run's files are read
-  on `sidecar.FOOTER_THREADS` threads (an object store's latency overlaps)."""
+  on `io_limits.FOOTER_THREADS` threads (an object store's latency overlaps)."""
   folder, files = item
-  with concurrent.futures.ThreadPoolExecutor(sidecar.FOOTER_THREADS) as pool:
+  with concurrent.futures.ThreadPoolExecutor(io_limits.FOOTER_THREADS) as pool:
     done = pool.map(lambda f: sidecar.indexed_parquet_file(fs.join(folder, f[0]), f[1]), files)
     for (name, _), (ident, facts) in zip(files, done):
       yield folder, (name, ident, facts)
