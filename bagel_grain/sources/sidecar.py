@@ -42,7 +42,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from bagel_grain import fs
+from bagel_grain import fs, storage
 from bagel_grain.errors import DatasetError
 from bagel_grain.sources import identity, parquet_footer
 
@@ -326,19 +326,18 @@ def line_ends(path: str, start: int = 0, stop: int | None = None,
   line starts. A byte range of a huge file is scanned on its own (`bagel-grain index
   --runner` splits a file so); the ranges' results laid end to end are the whole file's."""
   pieces = [np.zeros(0, np.int64)]
-  fsys, p = fs.filesystem(path)
-  with fsys.open_input_file(p) as f:
-    position = start
-    f.seek(start)
-    while stop is None or position < stop:
-      chunk = f.read(_SCAN_CHUNK if stop is None else min(_SCAN_CHUNK, stop - position))
-      if not chunk:
-        break
-      newlines = np.flatnonzero(np.frombuffer(chunk, np.uint8) == 10)
-      pieces.append(newlines.astype(np.int64) + (position + 1))
-      position += len(chunk)
-      if progress:
-        progress(len(chunk))
+  retry = storage.RetryPolicy()
+  position = start
+  while stop is None or position < stop:
+    want = _SCAN_CHUNK if stop is None else min(_SCAN_CHUNK, stop - position)
+    chunk = retry.call(path, lambda: fs.read_range(path, position, want))  # pylint: disable=cell-var-from-loop
+    if not chunk:
+      break
+    newlines = np.flatnonzero(np.frombuffer(chunk, np.uint8) == 10)
+    pieces.append(newlines.astype(np.int64) + (position + 1))
+    position += len(chunk)
+    if progress:
+      progress(len(chunk))
   return np.concatenate(pieces)
 
 
