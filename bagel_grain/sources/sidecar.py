@@ -326,19 +326,32 @@ def line_ends(path: str, start: int = 0, stop: int | None = None,
   line starts. A byte range of a huge file is scanned on its own (`bagel-grain index
   --runner` splits a file so); the ranges' results laid end to end are the whole file's."""
   pieces = [np.zeros(0, np.int64)]
-  retry = storage.RetryPolicy()
-  position = start
-  while stop is None or position < stop:
-    want = _SCAN_CHUNK if stop is None else min(_SCAN_CHUNK, stop - position)
-    chunk = retry.call(path, lambda: fs.read_range(path, position, want))  # pylint: disable=cell-var-from-loop
-    if not chunk:
-      break
+  for position, chunk in _chunks(path, start, stop):
     newlines = np.flatnonzero(np.frombuffer(chunk, np.uint8) == 10)
     pieces.append(newlines.astype(np.int64) + (position + 1))
-    position += len(chunk)
     if progress:
       progress(len(chunk))
   return np.concatenate(pieces)
+
+
+def _chunks(path: str, start: int, stop: int | None):
+  """(offset, bytes) of [start, stop) in pieces of `_SCAN_CHUNK`: an object's by ranged
+  reads, each retried on transient faults; a local file's by `pread` on one descriptor."""
+  local = None if fs.is_uri(path) else open(path, "rb")  # pylint: disable=consider-using-with
+  retry = storage.RetryPolicy()
+  try:
+    position = start
+    while stop is None or position < stop:
+      want = _SCAN_CHUNK if stop is None else min(_SCAN_CHUNK, stop - position)
+      chunk = (os.pread(local.fileno(), want, position) if local is not None else
+               retry.call(path, lambda: fs.read_range(path, position, want)))  # pylint: disable=cell-var-from-loop
+      if not chunk:
+        return
+      yield position, chunk
+      position += len(chunk)
+  finally:
+    if local is not None:
+      local.close()
 
 
 def line_starts_from_ends(ends: Sequence[np.ndarray], size: int) -> np.ndarray:
