@@ -4,7 +4,8 @@ The object-store clients (`remote.s3`, `remote.gcs`) send their requests here, s
 that what a misbehaving store can cost is fixed by us, not by the store:
 
 - a deadline (`deadline_scope`, else `ATTEMPT_S` from the request's start) holds
-  inside a read: a watchdog cuts the connection when it passes, so a body that
+  inside a read, and inside the sending of a body (in blocks of 64 KiB, each
+  within `IDLE_S`): a watchdog cuts the connection when it passes, so a body that
   trickles in at 3 bytes a second ends there, as `TimeoutError` (transient), and a
   request that receives nothing for `IDLE_S` ends sooner;
 - a body is read to at most the caller's bound (`max_bytes`); a declared

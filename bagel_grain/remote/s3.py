@@ -41,7 +41,9 @@ from bagel_grain.remote.writes import Retry, UploadSource
 _EMPTY_SHA256 = hashlib.sha256(b"").hexdigest()
 _NS = "{http://s3.amazonaws.com/doc/2006-03-01/}"
 LIST_PAGE_BYTES = 16 << 20  # one page of 1000 keys is well under 1 MB
-PART_BYTES = 16 << 20  # a multipart upload's parts (S3 takes 5 MiB to 5 GiB, 10,000 parts)
+# A multipart upload's parts (S3 takes 5 MiB to 5 GiB, 10,000 of them): 8 MiB, as the AWS
+# CLI and boto3 send, so the object's ETag is the one `sources.identity` computes.
+PART_BYTES = 8 << 20
 _MAX_PARTS = 10_000
 _ANSWER_BYTES = 1 << 20  # the answer to a write: a few hundred bytes of XML
 _ABORT_S = 10.0  # an abort after a failure is tried once, this long at most
