@@ -63,3 +63,20 @@ class StorageUnavailableError(BagelGrainError):
 
   def __reduce__(self):  # crosses from worker processes as itself
     return type(self), (self.what, self.error, self.waited_s, self.attempts)
+
+
+class StorageWriteError(BagelGrainError):
+  """A write (or delete) of an object that storage kept failing past its deadline.
+
+  Nothing partial is left where a reader looks: an object appears only once whole.
+  """
+
+  def __init__(self, path: str, error: str, waited_s: float, attempts: int):
+    self.path, self.error, self.waited_s, self.attempts = path, error, waited_s, attempts
+    super().__init__(
+        f"storage did not answer writing {path}: one request was tried {attempts} times over "
+        f"{waited_s:.1f} s, last error: {error}. The object was not written (it appears only "
+        "once whole); run the command again once storage is back.")
+
+  def __reduce__(self):
+    return type(self), (self.path, self.error, self.waited_s, self.attempts)

@@ -17,8 +17,10 @@ scope (`deadline_scope`, which `storage.RetryPolicy` sets for each attempt), a
 body is read to at most its bound, a listing to at most `max_entries` files and
 never in circles, and redirects are not followed. Outside an element's computation
 (a build's listings, HEADs, footers, index files, probes), each read waits out
-transient failures under the build's policy (`storage.retried`). Writes go
-through pyarrow.fs.
+transient failures under the build's policy (`storage.retried`). Writes and deletes go through
+the same clients: an object appears only once whole (one PUT, or a multipart or
+resumable upload sent a part at a time from a local file), and each request is
+retried on transient faults for up to `WRITE_TIMEOUT_S` (`StorageWriteError` after).
 
 The API other modules build on (stable):
 
@@ -43,7 +45,6 @@ The API other modules build on (stable):
 from __future__ import annotations
 
 import dataclasses
-import datetime
 import functools
 import hashlib
 import io
@@ -52,21 +53,20 @@ import posixpath
 import shutil
 import stat
 import tempfile
-import urllib.parse
 
 import pyarrow as pa
 from pyarrow import fs as pafs
 
 from bagel_grain import storage
+from bagel_grain.errors import StorageUnavailableError, StorageWriteError
 from bagel_grain.remote import gcs, http, s3
 from bagel_grain.remote.http import deadline_scope  # noqa: F401  (re-exported)
 from bagel_grain.remote.objects import (MAX_LIST_ENTRIES, BadListing, FileInfo,  # noqa: F401
                                         ListingError, ListingTooLong)
+from bagel_grain.remote.writes import UploadSource
 
-REQUEST_TIMEOUT_S = http.IDLE_S  # a request that receives nothing for this long fails
-CONNECT_TIMEOUT_S = http.CONNECT_S
-_CLIENT_ATTEMPTS = 1  # pyarrow's S3 client (writes): no retry of its own
-_CLIENT_RETRY_S = 1  # pyarrow's GCS client (writes): its retries end within a second
+WRITE_TIMEOUT_S = storage.DEFAULT_TIMEOUT_S  # how long one request of a write is retried
+_DOWNLOAD_CHUNK = 16 << 20
 _ENV = ("AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL", "AWS_DEFAULT_REGION", "AWS_REGION",
         "STORAGE_EMULATOR_HOST", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY",
         "AWS_SESSION_TOKEN", "AWS_PROFILE", "AWS_SHARED_CREDENTIALS_FILE")
@@ -129,48 +129,6 @@ def _object(path: str) -> tuple[s3.S3Client | gcs.GCSClient, str, str] | None:
     return None
   bucket, _, key = rest.partition("/")
   return _client("s3" if scheme == "s3" else "gs", _env()), bucket, key
-
-
-def _endpoint(url: str) -> tuple[str, str]:
-  """(scheme, host:port) of an endpoint given as `http://host:port` or `host:port`."""
-  parsed = urllib.parse.urlsplit(url if "://" in url else "http://" + url)
-  return parsed.scheme, parsed.netloc
-
-
-@functools.lru_cache(maxsize=None)
-def _remote(scheme: str, env: tuple) -> pafs.FileSystem:
-  settings = dict(zip(_ENV, env))
-  if scheme == "s3":
-    url = settings["AWS_ENDPOINT_URL_S3"] or settings["AWS_ENDPOINT_URL"]
-    region = settings["AWS_DEFAULT_REGION"] or settings["AWS_REGION"]
-    kwargs = {"region": region} if region else {}
-    kwargs.update(retry_strategy=pafs.AwsStandardS3RetryStrategy(max_attempts=_CLIENT_ATTEMPTS),
-                  request_timeout=REQUEST_TIMEOUT_S, connect_timeout=CONNECT_TIMEOUT_S)
-    if url:
-      kwargs["scheme"], kwargs["endpoint_override"] = _endpoint(url)
-    return pafs.S3FileSystem(**kwargs)
-  if scheme in ("gs", "gcs"):
-    host = settings["STORAGE_EMULATOR_HOST"]
-    if host:
-      http_scheme, netloc = _endpoint(host)
-      return pafs.GcsFileSystem(anonymous=True, endpoint_override=netloc, scheme=http_scheme,
-                                retry_time_limit=_gcs_retry())
-    return pafs.GcsFileSystem(retry_time_limit=_gcs_retry())
-  raise ValueError(scheme)
-
-
-def _gcs_retry() -> datetime.timedelta:
-  return datetime.timedelta(seconds=_CLIENT_RETRY_S)
-
-
-def filesystem(path: str) -> tuple[pafs.FileSystem, str]:
-  """The pyarrow filesystem holding `path`, and the path as it spells it (for writes)."""
-  if not is_uri(path):
-    return pafs.LocalFileSystem(), os.path.abspath(path)
-  scheme, rest = path.split("://", 1)
-  if scheme in ("s3", "gs", "gcs"):
-    return _remote(scheme, _env()), rest.rstrip("/")
-  return pafs.FileSystem.from_uri(path)
 
 
 def exists(path: str) -> bool:
@@ -474,21 +432,77 @@ def _check_file(path: str, regular: bool, size: int, max_bytes: int | None) -> N
     raise FileRefused(f"{path}: {size} bytes > {max_bytes}", regular=True)
 
 
+def _retry(path: str):
+  """Each request of a write to `path` is retried on transient faults for up to
+  `WRITE_TIMEOUT_S` (the deadline holds inside the request too, as for reads)."""
+  policy = storage.RetryPolicy(timeout_s=WRITE_TIMEOUT_S)
+  return lambda request: policy.call(path, request)
+
+
+def _writing(path: str, write) -> None:
+  try:
+    write()
+  except StorageUnavailableError as e:
+    raise StorageWriteError(path, e.error, e.waited_s, e.attempts) from e
+
+
 def write_bytes(path: str, data: bytes) -> None:
   """Writes a whole file; on an object store the object appears only once complete."""
-  fs, p = filesystem(path)
-  if not is_uri(path):
-    os.makedirs(os.path.dirname(p), exist_ok=True)
-  with fs.open_output_stream(p) as f:
-    f.write(data)
+  upload(io.BytesIO(data), len(data), path)
 
 
-def open_output(path: str):
-  """A writable stream (local folders are created)."""
-  fs, p = filesystem(path)
-  if not is_uri(path):
-    os.makedirs(os.path.dirname(p), exist_ok=True)
-  return fs.open_output_stream(p)
+def upload_file(local: str, path: str) -> None:
+  """Copies the local file `local` to `path` (an object appears only once complete)."""
+  with open(local, "rb") as f:
+    upload(f, os.fstat(f.fileno()).st_size, path)
+
+
+def upload(file, size: int, path: str) -> None:
+  """Writes `size` bytes of the seekable binary `file` to `path` (local folders are
+  created); an object is sent a part at a time and appears only once complete."""
+  remote = _object(path)
+  if remote is None:
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    file.seek(0)
+    with open(path, "wb") as out:
+      shutil.copyfileobj(file, out, _DOWNLOAD_CHUNK)
+    return
+  client, bucket, key = remote
+  source = UploadSource(file, size, path)
+  _writing(path, lambda: client.upload(bucket, key, source, _retry(path)))
+
+
+def download_file(path: str, local: str) -> None:
+  """Copies `path` to the local file `local`: an object in ranged reads of a bounded size,
+  each pinned to the object first seen and retried on transient faults."""
+  if _object(path) is None:
+    shutil.copyfile(path, local)
+    return
+  retry = _retry(path)
+  info = retry(lambda: file_info(path))
+  if info.kind != "file":
+    raise FileNotFoundError(f"{path}: no such object")
+  with open(local, "wb") as out:
+    for offset in range(0, int(info.size), _DOWNLOAD_CHUNK):
+      out.write(retry(lambda: read_range(path, offset, _DOWNLOAD_CHUNK, info)))  # pylint: disable=cell-var-from-loop
+
+
+def delete(path: str) -> None:
+  """Deletes a file or object; one already gone is no error (a retried delete finds its
+  own work done)."""
+  remote = _object(path)
+  if remote is None:
+    if os.path.lexists(path):
+      os.remove(path)
+    return
+  client, bucket, key = remote
+
+  def request() -> None:
+    try:
+      client.delete(bucket, key)
+    except FileNotFoundError:
+      pass
+  _writing(path, lambda: _retry(path)(request))
 
 
 class LocalCopy:

@@ -216,8 +216,8 @@ def test_shards_in_a_bucket_are_verified_and_kept(clean, monkeypatch):
     damaged = f"{out}/unified_edit/demo_edit/demo_edit-00001-of-00002.array_record"
     fs.write_bytes(damaged, fs.read_bytes(damaged)[:-5000])  # cut short
     uploads = []
-    real = fs.open_output
-    monkeypatch.setattr(fs, "open_output", lambda p: uploads.append(p) or real(p))
+    real = fs.upload_file
+    monkeypatch.setattr(fs, "upload_file", lambda local, p: uploads.append(p) or real(local, p))
     run(config, out)  # the same command: the damaged shard only is written again
     assert uploads == [damaged]
     for name, data in expected.items():

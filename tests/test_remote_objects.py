@@ -1,6 +1,7 @@
 """The object-store client's pieces that need no server: signing, bounded pagination."""
 
 import datetime
+import hashlib
 
 import pytest
 
@@ -72,3 +73,17 @@ def test_a_listing_past_its_bound_stops_at_the_page_that_passes_it():
   with pytest.raises(ListingTooLong, match="more than 25 files"):
     collect_pages(fetch, "s3://b/", max_entries=25)
   assert len(asked) == 3
+
+
+def test_a_body_is_signed_with_its_sha256_as_aws_documents():
+  # AWS's example of Signature Version 4 for S3's PUT Object ("Welcome to Amazon S3.").
+  body = b"Welcome to Amazon S3."
+  headers = {"Date": "Fri, 24 May 2013 00:00:00 GMT", "x-amz-storage-class": "REDUCED_REDUNDANCY"}
+  out = s3._sign("PUT", "https://examplebucket.s3.amazonaws.com/test%24file.text", headers,  # pylint: disable=protected-access
+                 EXAMPLE, "us-east-1", WHEN, payload=hashlib.sha256(body).hexdigest())
+  assert out["x-amz-content-sha256"] == (
+      "44ce7dd67c959e0d3524ffac1771dfbba87d2b6b4b4e99e42034a8b803f8b072")
+  assert out["Authorization"] == (
+      "AWS4-HMAC-SHA256 Credential=AKIAIOSFODNN7EXAMPLE/20130524/us-east-1/s3/aws4_request, "
+      "SignedHeaders=date;host;x-amz-content-sha256;x-amz-date;x-amz-storage-class, "
+      "Signature=98ad721746da40c64f1a55b78f14c238d841ea1380cd77a1b5971af0ece108bd")

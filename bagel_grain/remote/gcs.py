@@ -1,4 +1,5 @@
-"""Google Cloud Storage's JSON API over `remote.http`: list, metadata and media reads.
+"""Google Cloud Storage's JSON API over `remote.http`: list, metadata, media reads, uploads
+and deletes.
 
 Credentials: with `STORAGE_EMULATOR_HOST` (an emulator) none. Otherwise an OAuth
 token from `GOOGLE_OAUTH_ACCESS_TOKEN`, else from google-auth's default credentials
@@ -9,12 +10,20 @@ composite objects). A read pinned to a listing's entry asks for that generation;
 if the store no longer has it (a new upload), the current object is read only
 when its crc32c and MD5 equal the pin's (an identical re-upload), else
 `http.PreconditionFailed`.
+
+An object is written whole (`upload`): up to `PART_BYTES` in one media upload, a
+larger one as a resumable upload sent `PART_BYTES` at a time from its file (one
+chunk in memory). Each request is passed to the caller's `retry` on its own; after
+a failed chunk the session is asked how much it holds, and the upload goes on from
+there. The MD5 the store reports for the finished object must be that of the bytes
+sent (`UploadCorrupted` otherwise).
 """
 
 from __future__ import annotations
 
 import base64
 import datetime
+import hashlib
 import json
 import os
 import threading
@@ -23,8 +32,11 @@ import urllib.parse
 
 from bagel_grain.remote import http
 from bagel_grain.remote.objects import FileInfo, Page, collect_pages
+from bagel_grain.remote.writes import Retry, UploadCorrupted, UploadSource
 
 LIST_PAGE_BYTES = 16 << 20
+PART_BYTES = 16 << 20  # a resumable upload's chunks: a multiple of 256 KiB
+_ANSWER_BYTES = 1 << 20  # the answer to a write: an object's metadata
 _METADATA_TOKEN = ("http://metadata.google.internal/computeMetadata/v1/instance/"
                    "service-accounts/default/token")
 _OBJECT_FIELDS = "name,size,updated,generation,crc32c,md5Hash,etag"
@@ -100,6 +112,85 @@ class GCSClient:
     return response.read(max_bytes)
 
 
+  def delete(self, bucket: str, key: str) -> None:
+    """Deletes an object; `FileNotFoundError` if there is none."""
+    http.request("DELETE", self._object_url(bucket, key, {}), self._headers()).read(_ANSWER_BYTES)
+
+  def upload(self, bucket: str, key: str, source: UploadSource, retry: Retry) -> None:
+    """Writes `source` as the object; it appears only once whole."""
+    where = f"gs://{bucket}/{key}"
+    query = {"name": key}
+    if source.size <= PART_BYTES:
+      data = source.read(0, source.size)
+      url = self._upload_url(bucket, {"uploadType": "media", **query})
+      answer = retry(lambda: http.request("POST", url, self._headers(), data).read(_ANSWER_BYTES))
+      _check_md5(answer, hashlib.md5(data).digest(), where)
+      return
+    url = self._upload_url(bucket, {"uploadType": "resumable", **query})
+    session = retry(lambda: self._start_session(url, source.size, where))
+    md5 = hashlib.md5()
+    hashed, offset, answer, lost = 0, 0, None, False
+
+    def step() -> tuple[int, bytes | None]:
+      nonlocal lost
+      if lost:  # the last chunk failed: how much of it the session holds
+        done = self._send_chunk(session, offset, b"", source.size)
+        lost = False
+        return done
+      data = source.read(offset, min(PART_BYTES, source.size - offset))
+      try:
+        return self._send_chunk(session, offset, data, source.size)
+      except Exception:
+        lost = True
+        raise
+
+    while answer is None:
+      offset, answer = retry(step)
+      while hashed < offset:  # the bytes the session holds, hashed once each
+        chunk = source.read(hashed, min(PART_BYTES, offset - hashed))
+        md5.update(chunk)
+        hashed += len(chunk)
+    _check_md5(answer, md5.digest(), where)
+
+  def _upload_url(self, bucket: str, query: dict[str, str]) -> str:
+    return f"{self.base}/upload/storage/v1/b/{bucket}/o?" + urllib.parse.urlencode(query)
+
+  def _start_session(self, url: str, size: int, where: str) -> str:
+    headers = {**self._headers(), "Content-Type": "application/json; charset=UTF-8",
+               "X-Upload-Content-Length": str(size)}
+    response = http.request("POST", url, headers, b"{}")
+    session = response.headers.get("location", "")
+    response.read(_ANSWER_BYTES)
+    ours, theirs = urllib.parse.urlsplit(self.base), urllib.parse.urlsplit(session)
+    if (theirs.scheme, theirs.netloc) != (ours.scheme, ours.netloc):
+      raise http.RedirectRefused(f"{where}: the resumable upload's session is on "
+                                 f"{theirs.netloc or 'no host'}, not {ours.netloc}; not used "
+                                 "(the request's credentials would go along)")
+    return session
+
+  def _send_chunk(self, session: str, offset: int, data: bytes,
+                  size: int) -> tuple[int, bytes | None]:
+    """Sends `data` from `offset` (no data: asks the session's state); (the bytes the
+    session holds, the finished object's metadata or None while it is incomplete)."""
+    span = f"{offset}-{offset + len(data) - 1}" if data else "*"
+    headers = {**self._headers(), "Content-Range": f"bytes {span}/{size}"}
+    response = http.request("PUT", session, headers, data, accept=frozenset({308}))
+    body = response.read(_ANSWER_BYTES)
+    if response.status != 308:
+      return size, body
+    held = response.headers.get("range", "")  # "bytes=0-N"; none: nothing held yet
+    if not held or (self.emulated and held == "bytes=0-0"):  # the emulator's "nothing"
+      return 0, None
+    return int(held.rpartition("-")[2]) + 1, None
+
+
+def _check_md5(answer: bytes, md5: bytes, where: str) -> None:
+  reported = json.loads(answer).get("md5Hash")
+  if reported and reported != base64.b64encode(md5).decode():
+    raise UploadCorrupted(f"{where}: the store reports MD5 {_hex(reported)} for the object "
+                          f"written, not {md5.hex()}, that of the bytes sent")
+
+
 def _check_generation(response: http.Response, pin: FileInfo | None, where: str) -> None:
   """A store that served another generation than the one asked (an emulator ignores the
   parameter) is caught by the generation or checksums it names in its headers."""
@@ -159,7 +250,7 @@ def _fetch_token() -> tuple[str, float]:
     google = None
   if google is not None:
     creds, _ = google.auth.default(
-        scopes=["https://www.googleapis.com/auth/devstorage.read_only"])
+        scopes=["https://www.googleapis.com/auth/devstorage.read_write"])
     creds.refresh(google.auth.transport.requests.Request())
     expiry = creds.expiry.replace(tzinfo=datetime.timezone.utc) if creds.expiry else None
     return creds.token, expiry.timestamp() if expiry else time.time() + 3000

@@ -4,7 +4,8 @@ The object-store clients (`remote.s3`, `remote.gcs`) send their requests here, s
 that what a misbehaving store can cost is fixed by us, not by the store:
 
 - a deadline (`deadline_scope`, else `ATTEMPT_S` from the request's start) holds
-  inside a read: a watchdog cuts the connection when it passes, so a body that
+  inside a read, and inside the sending of a body (in blocks of 64 KiB, each
+  within `IDLE_S`): a watchdog cuts the connection when it passes, so a body that
   trickles in at 3 bytes a second ends there, as `TimeoutError` (transient), and a
   request that receives nothing for `IDLE_S` ends sooner;
 - a body is read to at most the caller's bound (`max_bytes`); a declared
@@ -28,6 +29,7 @@ import contextlib
 import dataclasses
 import heapq
 import http.client
+import io
 import itertools
 import re
 import socket
@@ -246,11 +248,13 @@ _POOL = _Pool()
 
 
 def request(method: str, url: str, headers: dict[str, str] | None = None,
-            body: bytes = b"") -> Response:
-  """Sends one request; the answer with its body unread (`Response.read`).
+            body: bytes = b"", accept: frozenset[int] = frozenset()) -> Response:
+  """Sends one request (with `body`, sent within the same deadline); the answer with its
+  body unread (`Response.read`).
 
-  Raises for any status but 2xx (after reading at most `ERROR_BODY_BYTES` of it
-  for the message), and TimeoutError past the deadline."""
+  Raises for any status but 2xx and those in `accept` (GCS's 308 "resume incomplete"),
+  after reading at most `ERROR_BODY_BYTES` of it for the message, and TimeoutError
+  past the deadline."""
   parts = urllib.parse.urlsplit(url)
   target = parts.path + (f"?{parts.query}" if parts.query else "")
   now = time.monotonic()
@@ -267,7 +271,10 @@ def request(method: str, url: str, headers: dict[str, str] | None = None,
     ticket = _WATCHDOG.watch(sock, deadline)
     try:
       sock.settimeout(max(0.001, min(IDLE_S, deadline - time.monotonic())))
-      conn.request(method, target, body=body or None, headers=headers or {})
+      sent = dict(headers or {})
+      if body:  # sent in blocks, each within `IDLE_S`, not as one send bounded by it
+        sent["Content-Length"] = str(len(body))
+      conn.request(method, target, body=io.BytesIO(body) if body else None, headers=sent)
       raw = conn.getresponse()
     except (OSError, http.client.HTTPException) as e:
       _WATCHDOG.release(ticket)
@@ -280,7 +287,7 @@ def request(method: str, url: str, headers: dict[str, str] | None = None,
   sock.settimeout(max(0.001, min(IDLE_S, deadline - time.monotonic())))
   response = Response(raw.status, {k.lower(): v for k, v in raw.getheaders()}, url, raw, conn,
                       _POOL, deadline, ticket)
-  if 200 <= raw.status < 300:
+  if 200 <= raw.status < 300 or raw.status in accept:
     return response
   _raise_for_status(response, method)
   raise AssertionError("unreachable")
@@ -289,7 +296,7 @@ def request(method: str, url: str, headers: dict[str, str] | None = None,
 def _connect(scheme: str, netloc: str, deadline: float) -> http.client.HTTPConnection:
   timeout = max(0.001, min(CONNECT_S, deadline - time.monotonic()))
   cls = http.client.HTTPSConnection if scheme == "https" else http.client.HTTPConnection
-  conn = cls(netloc, timeout=timeout)
+  conn = cls(netloc, timeout=timeout, blocksize=_CHUNK)
   try:
     conn.connect()
   except OSError as e:

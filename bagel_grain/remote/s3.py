@@ -1,4 +1,5 @@
-"""S3 (and S3-compatible servers) over `remote.http`: list, head and get, signed with SigV4.
+"""S3 (and S3-compatible servers) over `remote.http`: list, head, get, put and delete, signed
+with SigV4.
 
 Credentials come from the environment as AWS's tools read them:
 `AWS_ACCESS_KEY_ID` / `AWS_SECRET_ACCESS_KEY` / `AWS_SESSION_TOKEN`, else the
@@ -11,6 +12,12 @@ A read pinned to what a listing saw sends `If-Match: <ETag>` (and `versionId`
 where the store reports versions): the store answers 412 if the object is not
 those bytes any more. An identical re-upload keeps its ETag (the MD5 of the
 bytes, or of its parts for a multipart upload with the same part size).
+
+An object is written whole (`upload`): up to `PART_BYTES` in one PUT, a larger one
+as a multipart upload of parts of `PART_BYTES` read one at a time from its file
+(one part in memory), aborted if it fails. Every request of a write is passed to the
+caller's `retry` on its own: a PUT of a whole object or of a part is idempotent. A
+body is signed with its SHA-256 and sent with its Content-MD5: the store checks both.
 """
 
 from __future__ import annotations
@@ -20,16 +27,26 @@ import dataclasses
 import datetime
 import hashlib
 import hmac
+import base64
+import contextlib
 import os
+import time
 import urllib.parse
 import xml.etree.ElementTree as ET
 
 from bagel_grain.remote import http
 from bagel_grain.remote.objects import FileInfo, Page, collect_pages
+from bagel_grain.remote.writes import Retry, UploadSource
 
 _EMPTY_SHA256 = hashlib.sha256(b"").hexdigest()
 _NS = "{http://s3.amazonaws.com/doc/2006-03-01/}"
 LIST_PAGE_BYTES = 16 << 20  # one page of 1000 keys is well under 1 MB
+# A multipart upload's parts (S3 takes 5 MiB to 5 GiB, 10,000 of them): 8 MiB, as the AWS
+# CLI and boto3 send, so the object's ETag is the one `sources.identity` computes.
+PART_BYTES = 8 << 20
+_MAX_PARTS = 10_000
+_ANSWER_BYTES = 1 << 20  # the answer to a write: a few hundred bytes of XML
+_ABORT_S = 10.0  # an abort after a failure is tried once, this long at most
 _HEX = set("0123456789abcdef")
 
 
@@ -81,12 +98,16 @@ class S3Client:
     return url + (f"?{encoded}" if encoded else "")
 
   def _send(self, method: str, bucket: str, key: str, query: dict[str, str] | None = None,
-            headers: dict[str, str] | None = None) -> http.Response:
+            headers: dict[str, str] | None = None, body: bytes = b"") -> http.Response:
     url = self._url(bucket, key, query or {})
     headers = dict(headers or {})
+    if body:
+      headers["Content-MD5"] = base64.b64encode(hashlib.md5(body).digest()).decode()
     if self.credentials is not None:
-      headers.update(_sign(method, url, headers, self.credentials, self.region))
-    return http.request(method, url, headers)
+      payload = hashlib.sha256(body).hexdigest() if body else _EMPTY_SHA256
+      headers.update(_sign(method, url, headers, self.credentials, self.region,
+                           payload=payload))
+    return http.request(method, url, headers, body)
 
   def list(self, bucket: str, prefix: str, max_entries: int) -> list[FileInfo]:
     """The objects directly under `prefix` (a folder, ending in "/")."""
@@ -125,6 +146,61 @@ class S3Client:
     return self._send("GET", bucket, key, query, headers).read(max_bytes)
 
 
+  def delete(self, bucket: str, key: str) -> None:
+    """Deletes an object (one already gone is no error: S3 answers 204 either way)."""
+    self._send("DELETE", bucket, key).read(_ANSWER_BYTES)
+
+  def upload(self, bucket: str, key: str, source: UploadSource, retry: Retry) -> None:
+    """Writes `source` (`size` bytes) as the object; it appears only once whole."""
+    if source.size <= PART_BYTES:
+      data = source.read(0, source.size)
+      retry(lambda: self._send("PUT", bucket, key, body=data).read(_ANSWER_BYTES))
+      return
+    part = max(PART_BYTES, -(-source.size // _MAX_PARTS))
+    upload_id = retry(lambda: self._create_upload(bucket, key))
+    try:
+      etags, digests = [], []
+      for number, offset in enumerate(range(0, source.size, part), start=1):
+        data = source.read(offset, min(part, source.size - offset))
+        digests.append(hashlib.md5(data).digest())
+        query = {"partNumber": str(number), "uploadId": upload_id}
+        etags.append(retry(lambda: self._send("PUT", bucket, key, query, body=data)  # pylint: disable=cell-var-from-loop
+                           ).headers.get("etag", ""))
+        del data
+      whole = f"{hashlib.md5(b''.join(digests)).hexdigest()}-{len(digests)}"
+      retry(lambda: self._complete_upload(bucket, key, upload_id, etags, whole))
+    except BaseException:
+      with contextlib.suppress(Exception), http.deadline_scope(time.monotonic() + _ABORT_S):
+        self._send("DELETE", bucket, key, {"uploadId": upload_id}).read(_ANSWER_BYTES)
+      raise
+
+  def _create_upload(self, bucket: str, key: str) -> str:
+    root = ET.fromstring(self._send("POST", bucket, key, {"uploads": ""}).read(_ANSWER_BYTES))
+    upload_id = root.findtext(_NS + "UploadId")
+    if not upload_id:
+      raise http.HTTPStatusError(f"s3://{bucket}/{key}: no UploadId in the answer to "
+                                 "CreateMultipartUpload", 200)
+    return upload_id
+
+  def _complete_upload(self, bucket: str, key: str, upload_id: str, etags: list[str],
+                       whole: str) -> None:
+    """Completes the upload; `whole` is the ETag the object gets (the MD5 of the parts'
+    MD5s, and their count), which tells a retry whose first try did complete it."""
+    parts = "".join(f"<Part><PartNumber>{n}</PartNumber><ETag>{e}</ETag></Part>"
+                    for n, e in enumerate(etags, start=1))
+    body = f"<CompleteMultipartUpload>{parts}</CompleteMultipartUpload>".encode()
+    try:
+      answer = self._send("POST", bucket, key, {"uploadId": upload_id}, body=body)
+    except FileNotFoundError:  # NoSuchUpload: completed by an earlier try whose answer was lost?
+      if self.head(bucket, key).etag == whole:
+        return
+      raise
+    root = ET.fromstring(answer.read(_ANSWER_BYTES))
+    if root.tag.endswith("Error"):  # S3 may answer 200 and report the failure in the body
+      raise http.TransientHTTPError(f"s3://{bucket}/{key}: CompleteMultipartUpload answered "
+                                    f"{root.findtext('Code') or 'an error'}")
+
+
 def _listed(bucket: str, item: ET.Element) -> FileInfo:
   etag = (item.findtext(_NS + "ETag") or "").strip('"') or None
   size = int(item.findtext(_NS + "Size") or 0)
@@ -157,13 +233,14 @@ def _quote(text: str) -> str:
 
 
 def _sign(method: str, url: str, headers: dict[str, str], creds: Credentials,
-          region: str, now: datetime.datetime | None = None) -> dict[str, str]:
-  """The headers that sign a request with AWS Signature Version 4 (only GET and HEAD are
-  sent, with no body: the payload's hash is that of no bytes)."""
+          region: str, now: datetime.datetime | None = None,
+          payload: str = _EMPTY_SHA256) -> dict[str, str]:
+  """The headers that sign a request with AWS Signature Version 4; `payload` is the hex
+  SHA-256 of the body (the store checks the body against it)."""
   parts = urllib.parse.urlsplit(url)
   now = now or datetime.datetime.now(datetime.timezone.utc)
   amz_date, day = now.strftime("%Y%m%dT%H%M%SZ"), now.strftime("%Y%m%d")
-  signed = {"host": parts.netloc, "x-amz-content-sha256": _EMPTY_SHA256,
+  signed = {"host": parts.netloc, "x-amz-content-sha256": payload,
             "x-amz-date": amz_date}
   if creds.token:
     signed["x-amz-security-token"] = creds.token
@@ -172,7 +249,7 @@ def _sign(method: str, url: str, headers: dict[str, str], creds: Credentials,
   query = "&".join(sorted(parts.query.split("&"))) if parts.query else ""
   canonical = "\n".join([method, parts.path or "/", query,
                          "".join(f"{n}:{signed[n]}\n" for n in names), ";".join(names),
-                         _EMPTY_SHA256])
+                         payload])
   scope = f"{day}/{region}/s3/aws4_request"
   to_sign = "\n".join(["AWS4-HMAC-SHA256", amz_date, scope,
                        hashlib.sha256(canonical.encode()).hexdigest()])

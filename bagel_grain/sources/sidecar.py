@@ -325,20 +325,32 @@ def line_ends(path: str, start: int = 0, stop: int | None = None,
   line starts. A byte range of a huge file is scanned on its own (`bagel-grain index
   --runner` splits a file so); the ranges' results laid end to end are the whole file's."""
   pieces = [np.zeros(0, np.int64)]
-  fsys, p = fs.filesystem(path)
-  with fsys.open_input_file(p) as f:
-    position = start
-    f.seek(start)
-    while stop is None or position < stop:
-      chunk = f.read(_SCAN_CHUNK if stop is None else min(_SCAN_CHUNK, stop - position))
-      if not chunk:
-        break
-      newlines = np.flatnonzero(np.frombuffer(chunk, np.uint8) == 10)
-      pieces.append(newlines.astype(np.int64) + (position + 1))
-      position += len(chunk)
-      if progress:
-        progress(len(chunk))
+  for position, chunk in _chunks(path, start, stop):
+    newlines = np.flatnonzero(np.frombuffer(chunk, np.uint8) == 10)
+    pieces.append(newlines.astype(np.int64) + (position + 1))
+    if progress:
+      progress(len(chunk))
   return np.concatenate(pieces)
+
+
+def _chunks(path: str, start: int, stop: int | None):
+  """(offset, bytes) of [start, stop) in pieces of `_SCAN_CHUNK`: an object's by ranged
+  reads (each waits out transient faults: `storage.retried`); a local file's by `pread`
+  on one descriptor."""
+  local = None if fs.is_uri(path) else open(path, "rb")  # pylint: disable=consider-using-with
+  try:
+    position = start
+    while stop is None or position < stop:
+      want = _SCAN_CHUNK if stop is None else min(_SCAN_CHUNK, stop - position)
+      chunk = (os.pread(local.fileno(), want, position) if local is not None else
+               fs.read_range(path, position, want))
+      if not chunk:
+        return
+      yield position, chunk
+      position += len(chunk)
+  finally:
+    if local is not None:
+      local.close()
 
 
 def line_starts_from_ends(ends: Sequence[np.ndarray], size: int) -> np.ndarray:

@@ -78,6 +78,5 @@ def run_audit(where: tuple[str | None, str, str], out: str, runner: str,
          | "hand back" >> beam.Map(_write_states, states))
   merged = {tuple(k.split("/", 1)): audit.Audit.from_state(v)
             for k, v in json.loads(fs.read_bytes(states)).items()}
-  filesystem, name = fs.filesystem(states)
-  filesystem.delete_file(name)
+  fs.delete(states)
   return audit.build_report(cfg, merged, sample=sample, epoch_sizes=audit.epoch_sizes(cfg, seed))

@@ -106,8 +106,7 @@ def run_convert(config_path: str | os.PathLike, out_dir: str | os.PathLike, runn
          | "gather" >> beam.combiners.ToList()
          | "hand back" >> beam.Map(_write_counts, counts))
   written = json.loads(fs.read_bytes(counts))
-  filesystem, name = fs.filesystem(counts)
-  filesystem.delete_file(name)
+  fs.delete(counts)
   return convert.finish(cfg, out_dir, tasks, written, config_path)
 
 

@@ -222,8 +222,7 @@ def write_shard(cfg: PipelineConfig, task: ShardTask, source: RecordSource, firs
     finally:
       writer.close()
     if staging:
-      with open(local, "rb") as f, fs.open_output(task.path) as out:
-        shutil.copyfileobj(f, out, 8 << 20)
+      fs.upload_file(local, task.path)
     else:
       os.replace(local, task.path)
   finally:
@@ -251,9 +250,7 @@ def shard_is_complete(task: ShardTask, source: RecordSource, first: int, dataset
   staging = tempfile.mkdtemp(prefix="bagel-grain-shard-")
   try:
     local = os.path.join(staging, os.path.basename(task.path))
-    filesystem, name = fs.filesystem(task.path)
-    with filesystem.open_input_stream(name) as f, open(local, "wb") as out:
-      shutil.copyfileobj(f, out, 8 << 20)
+    fs.download_file(task.path, local)
     return _holds(local, expected, writer_options)
   finally:
     shutil.rmtree(staging, ignore_errors=True)
@@ -335,7 +332,7 @@ def prepare_output(out_dir: str, tasks: Sequence[ShardTask], overwrite: bool) ->
   for name in CONFIG_FILES:
     path = fs.join(out_dir, name)
     if fs.exists(path):
-      _delete(path)
+      fs.delete(path)
   for folder in folders:
     if not fs.is_uri(folder):
       os.makedirs(folder, exist_ok=True)
@@ -343,12 +340,7 @@ def prepare_output(out_dir: str, tasks: Sequence[ShardTask], overwrite: bool) ->
       os.remove(path)
   if overwrite:
     for path in existing:
-      _delete(path)
-
-
-def _delete(path: str) -> None:
-  filesystem, name = fs.filesystem(path)
-  filesystem.delete_file(name)
+      fs.delete(path)
 
 
 def finish(cfg: PipelineConfig, out_dir: str, tasks: Sequence[ShardTask],
