@@ -24,6 +24,12 @@ burned, and the load average.
     python tools/storage_bench.py --skip-startup --bench-data /tmp/bench_data
     python tools/storage_bench.py --skip-throughput --lines 10000000 --shards --local-only
     python tools/storage_bench.py --skip-startup --configs demo --workers 0 2 --rounds 1
+
+`--table` runs only issue 28's table (first batch and steady state of the demo config,
+every storage, 0 and 2 workers, each measurement a fresh process, variants in turn);
+about 8 minutes on 2 cores with the defaults below:
+
+    python tools/storage_bench.py --table --rounds 3 --warmup-s 4 --seconds 6
 """
 
 from __future__ import annotations
@@ -362,6 +368,76 @@ def _windows(cfg, tokenizer, workers: int, warmup_s: float, seconds: float) -> d
           "first_batch_s": first_batch_s}
 
 
+def table(work: Path, tries: int, warmup_s: float, seconds: float) -> list[dict]:
+  """Issue 28's table in one run: the demo config on local disk, on S3 at 0, 50 and 150 ms
+  and on GCS at 50 ms, with 0 and 2 workers: first batch and steady state. Each
+  measurement is a fresh process (no connection, cache or import left warm by another);
+  the variants take turns, `tries` times, and the medians are reported with, per try,
+  the ratio to local disk of the same try and worker count."""
+  # pylint: disable=import-outside-toplevel
+  from bagel_grain.tooling.demo_data import make_sample_data
+  demo = make_sample_data(work / "demo_data")
+  rows = []
+  with LocalObjectStore("s3") as s3, LocalObjectStore("gcs") as gcs:
+    places = [("local disk", str(demo), {}, [])]
+    s3_root, gcs_root = s3.upload(str(demo), "demo"), gcs.upload(str(demo), "demo")
+    for delay in (0, 50, 150):
+      places.append((f"S3 at {delay} ms", s3_root,
+                     s3.environment(s3.proxy_port(delay) if delay else None), _processes(s3)))
+    places.append(("GCS at 50 ms", gcs_root, gcs.environment(gcs.proxy_port(50)),
+                   _processes(gcs)))
+    configs = {}
+    for where, root, _, _ in places:
+      with tempfile.NamedTemporaryFile("w", suffix=".yaml", delete=False, dir=work) as f:
+        yaml.safe_dump(_on(root, demo, "demo", demo / "tokenizer"), f)
+      configs[where] = f.name
+    for try_ in range(tries):
+      for workers in (0, 2):
+        for where, _, env, servers in places:
+          load, cpu, t0 = os.getloadavg()[0], _cpu_seconds(servers), time.perf_counter()
+          out = subprocess.run([sys.executable, __file__, "_place", configs[where], str(workers),
+                                str(warmup_s), str(seconds)], capture_output=True, text=True,
+                               check=True, timeout=600,
+                               env={**os.environ, **env, "PYTHONPATH": str(ROOT)})
+          r = json.loads(out.stdout.strip().splitlines()[-1])
+          wall = time.perf_counter() - t0
+          row = {"storage": where, "workers": workers, "try": try_, **r,
+                 "server_cores": (_cpu_seconds(servers) - cpu) / wall if servers else None,
+                 "load": max(load, os.getloadavg()[0])}
+          print(json.dumps(row), flush=True)
+          rows.append(row)
+  for r in rows:
+    local = next(x for x in rows if x["storage"] == "local disk"
+                 and x["workers"] == r["workers"] and x["try"] == r["try"])
+    r["first_x_local"] = r["first_batch_s"] / local["first_batch_s"]
+    r["steady_x_local"] = r["rows_per_s"] / local["rows_per_s"]
+  summary = []
+  for key in dict.fromkeys((r["storage"], r["workers"]) for r in rows):
+    same = [r for r in rows if (r["storage"], r["workers"]) == key]
+    summary.append({"storage": key[0], "workers": key[1], "tries": len(same),
+                    **{f: statistics.median(r[f] for r in same) for f in (
+                        "start_s", "first_batch_s", "first_x_local", "rows_per_s",
+                        "steady_x_local", "load")},
+                    "first_x_range": (f"{min(r['first_x_local'] for r in same):.2f}-"
+                                      f"{max(r['first_x_local'] for r in same):.2f}")})
+  return summary
+
+
+def _place(config_path: str, workers: int, warmup_s: float, seconds: float) -> dict:
+  """In this (fresh) process: the config and tokenizer loaded (`start_s`: the config's
+  checks of its paths and the tokenizer's files, on a bucket a few round trips), then
+  `_windows`: the first batch timed from the `build_pipeline` call to the first batch
+  in hand, the same instant on every storage, then the steady state."""
+  # pylint: disable=import-outside-toplevel
+  from bagel_grain.config import load_config
+  from bagel_grain.tokenizer import load_tokenizer
+  t0 = time.perf_counter()
+  cfg = load_config(config_path)
+  tokenizer = load_tokenizer(cfg.tokenizer_path)
+  start_s = time.perf_counter() - t0
+  return {"start_s": start_s, **_windows(cfg, tokenizer, workers, warmup_s, seconds)}
+
+
 def _processes(store: LocalObjectStore) -> list[psutil.Process]:
   """The server and proxy processes of a test object store (their CPU is the harness's)."""
   return [p for p in psutil.Process().children() if p.pid in store.pids()]
@@ -394,6 +470,13 @@ def main() -> None:
   if len(sys.argv) > 1 and sys.argv[1] == "_measure":
     print(json.dumps(measure_one(sys.argv[2], int(sys.argv[3]), int(sys.argv[4]))))
     return
+  if len(sys.argv) > 1 and sys.argv[1] == "_place":
+    print(json.dumps(_place(sys.argv[2], int(sys.argv[3]), float(sys.argv[4]),
+                            float(sys.argv[5]))), flush=True)
+    # Read-ahead's daemon threads may still be in a read when the interpreter finalizes;
+    # under load that aborted the child now and then (SIGABRT, PyGILState_Release). The
+    # measurement is printed: end here.
+    os._exit(0)  # pylint: disable=protected-access
   parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   parser.add_argument("--shards", type=int, nargs="*", default=[100, 1000, 5000])
   parser.add_argument("--lines", type=int, nargs="*", default=[1_000_000, 10_000_000])
@@ -410,6 +493,10 @@ def main() -> None:
                       help="throughput: every place measured once per round; medians reported")
   parser.add_argument("--bench-data", type=Path, default=None,
                       help="`bagel-grain make-bench-data` output to use (written there if absent)")
+  parser.add_argument("--table", action="store_true",
+                      help="only issue 28's table (demo config; local disk, S3 at 0/50/150 ms, "
+                           "GCS at 50 ms; 0 and 2 workers; first batch and steady state), "
+                           "`--rounds` tries, each measurement a fresh process")
   parser.add_argument("--skip-startup", action="store_true")
   parser.add_argument("--local-only", action="store_true",
                       help="start-up on local disk only (moto copies a whole object per "
@@ -421,6 +508,15 @@ def main() -> None:
   args = parser.parse_args()
   report = {}
   with tempfile.TemporaryDirectory(prefix="bagel-storage-bench-") as tmp:
+    if args.table:
+      report["table"] = table(Path(tmp), args.rounds, args.warmup_s, args.seconds)
+      print(_table(report["table"], [
+          ("storage", "storage", ""), ("workers", "workers", ""),
+          ("first_batch_s", "first batch s", ".2f"), ("first_x_local", "x local", ".2f"),
+          ("first_x_range", "range", ""), ("rows_per_s", "steady rows/s", ".2f"),
+          ("steady_x_local", "x local", ".2f"), ("start_s", "config+tokenizer s", ".2f"),
+          ("load", "load avg", ".1f")]))
+      args.skip_startup = args.skip_throughput = True
     if not args.skip_startup:
       report["startup"] = startup(Path(tmp), args.shards, args.lines, args.startup_delay_ms,
                                   args.local_only)

@@ -195,7 +195,8 @@ def dataset_catalog(data_dir: str, num_used: int | None, columns: Sequence[str],
   """The dataset's catalog: from the sidecar index when there is one, else from
   `parquet_info` (counts) and footers. The folder is listed either way: its files
   are the dataset, and their sizes and times tell a stale index."""
-  listed = fs.list_file_infos(data_dir, ".parquet")
+  everything = fs.list_file_infos(data_dir)  # the index's presence too: no request to ask
+  listed = [i for i in everything if i.base_name.endswith(".parquet")]
   if not listed:
     raise DatasetError("no .parquet files in data_dir", file=data_dir, field="data_dir")
   files = [fs.join(data_dir, i.base_name) for i in listed]
@@ -203,7 +204,8 @@ def dataset_catalog(data_dir: str, num_used: int | None, columns: Sequence[str],
   if num_used is not None:
     files = [files[i % len(files)] for i in range(num_used)]
   names = [(i.base_name, int(i.size)) for i in listed]  # the manifest's: no second listing
-  facts = sidecar.read_parquet_index(data_dir, listed)
+  facts = sidecar.read_parquet_index(
+      data_dir, listed, present=any(i.base_name == sidecar.PARQUET_INDEX for i in everything))
   if facts is not None:
     for path, pin in pins.items():  # the index's probe: what a file whose time changes is
       if not fs.is_uri(path) and facts[path].identity.probe:

@@ -202,15 +202,19 @@ def _load_parquet_index(path: str):
   return names, identities, columns, rows
 
 
-def read_parquet_index(data_dir: str,
-                       listed: Sequence[fs.FileInfo]) -> dict[str, ParquetFileFacts] | None:
-  """The folder's index as {file path: facts}; None (and a warning) when there is none.
+def read_parquet_index(data_dir: str, listed: Sequence[fs.FileInfo], *,
+                       present: bool = True) -> dict[str, ParquetFileFacts] | None:
+  """The folder's index as {file path: facts}; None (and a warning) when there is none
+  (`present=False`: the folder's listing shows none, so none is asked for: on a bucket a
+  HEAD and a LIST before the first batch).
 
   DatasetError when a listed file is missing from the index, or is not the file indexed
   (`identity.compare`, then its probe when the listing cannot tell).
   """
   path = fs.join(data_dir, PARQUET_INDEX)
   try:
+    if not present:
+      raise FileNotFoundError(path)
     names, identities, columns, rows = _load_parquet_index(path)
   except FileNotFoundError:
     if len(listed) >= WARN_FILES:

@@ -57,7 +57,7 @@ from bagel_grain.workers.process import GUARD_HINT, Worker, WorkerError, recv, s
 _MIN_START_TIMEOUT_S = 120.0  # importing the main script on a busy host can take that long
 JOBS_PER_WORKER = 4  # handed out ahead, so a worker never idles between results
 INLINE_AHEAD = 1  # without workers: next elements of a group computed while the packer packs
-INLINE_READ_AHEAD = 8  # with workers: untaken elements whose reads the inline thread starts
+INLINE_READ_AHEAD = 8  # untaken elements per group whose reads the inline thread starts
 _POLL_S = 1.0
 _DRAINING = object()  # `_awaited` while reset() waits for every element handed out
 
@@ -263,7 +263,7 @@ class Fetcher:
           self._queued.wait()
         key = None if self._closed else self._inline_queue.popleft()
         self._inline_key, self._inline_since = key, time.monotonic()
-        upcoming = {} if key is None or self._pump is None else self._untaken(key)
+        upcoming = {} if key is None else self._untaken(key)
       if key is None:  # an element computed ahead may have read ahead after `close` stopped it
         close_read_ahead(self._datasets)
         return
@@ -284,15 +284,19 @@ class Fetcher:
         self._cond.notify_all()
 
   def _untaken(self, key: tuple[int, int]) -> dict[int, list[int]]:
-    """With workers, per group, the elements the inline thread is likely to compute next,
-    whose reads it starts before computing `key`, as a worker reads ahead its own (the
-    first batch waits on these): at its first element, every group's first ones (no
-    worker is up yet); then those of `key`'s group that no worker has taken (caller
-    holds the lock)."""
+    """Per group, the elements the inline thread is likely to compute next, whose reads it
+    starts before computing `key`, as a worker reads ahead its own (the first batch waits
+    on these): at its first element, every group's first ones, with or without workers
+    (no worker is up yet; and without them, a group's records read ahead only once one
+    of its elements is asked for, one group after the other: on a bucket, a round trip
+    or three each); then, with workers, those of `key`'s group that no worker has taken
+    (caller holds the lock)."""
     if not self._read_ahead_started:
       self._read_ahead_started = True
       return {g: [i for i in range(INLINE_READ_AHEAD) if (g, i) != key and i < len(d)]
               for g, d in enumerate(self._datasets)}
+    if self._pump is None:  # each group's records read ahead of what is asked for
+      return {}
     return {key[0]: [i for g, i in self._pending if g == key[0] and i > key[1]]
             [:INLINE_READ_AHEAD]}
 
