@@ -128,8 +128,6 @@ class BatchIterator(StageIterator):
     self._assert_not_closed()
     with self._step:
       self._assert_not_closed()
-      if isinstance(self._identity, concurrent.futures.Future) and self._identity.done():
-        self._identity = self._identity.result()  # its error is this next()'s, not a save's
       start = self._rows.position()
       with self._position_lock:
         self._in_flight = start
