@@ -14,7 +14,6 @@ import functools
 import hashlib
 import json
 import posixpath
-import threading
 from typing import Any, Mapping, Sequence
 
 import grain
@@ -433,30 +432,11 @@ def _build_pipeline(cfg: PipelineConfig, tokenizer, *, seed: int | None, process
                                                              len(served) > 1),
                                   names=[g.name for _ in served for g in cfg.groups])), resolved
 
-  tokenizer.fingerprint()  # computed (and kept) here, not beside the inline thread's encodes
   return BatchDataset(rows_on({})[0],
                       batch_size=cfg.batch_size if batch_size is None else batch_size,
-                      capacities=caps, identity=_later(functools.partial(
-                          stream_identity, cfg, tokenizer, seed=seed, shard_count=count,
-                          sources=sources)),
+                      capacities=caps, identity=stream_identity(
+                          cfg, tokenizer, seed=seed, shard_count=count, sources=sources),
                       rebuild=rows_on)
-
-
-def _later(function) -> concurrent.futures.Future:
-  """`function()` computed on a thread of its own: the stream's identity (each dataset's
-  manifest: a JSONL's size and tail, an index looked up; on a bucket four round trips
-  one after the other) is needed by the first get_state or set_state, not by the first
-  batch. Its error, if any, is raised there."""
-  future: concurrent.futures.Future = concurrent.futures.Future()
-
-  def run() -> None:
-    try:
-      future.set_result(function())
-    except BaseException as e:  # pylint: disable=broad-except  # raised by future.result()
-      future.set_exception(e)
-
-  threading.Thread(target=run, name="bagel-grain-identity", daemon=True).start()
-  return future
 
 
 def _describe(cfg: PipelineConfig, described: list[tuple[int, ShuffledRecords]],

@@ -17,7 +17,6 @@ threads calling `next()` take turns.
 
 from __future__ import annotations
 
-import concurrent.futures
 import threading
 import time
 from typing import Any, Callable, Mapping, NoReturn, Sequence
@@ -40,16 +39,6 @@ from bagel_grain.sources.records import EraStart
 
 SampleKeys = tuple[tuple[str, int, int, str], ...]
 # The rows again on other record sets, and where each later set starts per shard (pipeline).
-# The stream's identity, or its computation under way (`build_pipeline` reads the data's
-# manifests on a thread: on a bucket a few round trips the first batch need not wait for).
-Identity = envelope.StreamIdentity | concurrent.futures.Future
-
-
-def _known(identity: Identity) -> envelope.StreamIdentity:
-  """The identity, once computed (its computation's error, if it failed)."""
-  return identity.result() if isinstance(identity, concurrent.futures.Future) else identity
-
-
 Rebuild = Callable[[era_keys.Plan], tuple[ShardInterleaveDataset, dict[int, dict[str, list[int]]]]]
 
 
@@ -60,23 +49,19 @@ class BatchDataset(grain.IterDataset):
   """
 
   def __init__(self, rows: PackDataset | ShardInterleaveDataset, *, batch_size: int,
-               capacities: Capacities, identity: Identity,
+               capacities: Capacities, identity: envelope.StreamIdentity,
                rebuild: Rebuild | None = None):
     super().__init__(rows)
     if batch_size < 1:
       raise ValueError(f"batch_size must be >= 1, got {batch_size}")
     self.batch_size = batch_size
     self.capacities = capacities
-    self._identity = identity
+    self.identity = identity
     self.rebuild = rebuild
-
-  @property
-  def identity(self) -> envelope.StreamIdentity:
-    return _known(self._identity)
 
   def __iter__(self) -> BatchIterator:
     return BatchIterator(self._parent.__iter__(), batch_size=self.batch_size,
-                         capacities=self.capacities, identity=self._identity,
+                         capacities=self.capacities, identity=self.identity,
                          rebuild=self.rebuild)
 
   def __str__(self) -> str:
@@ -106,7 +91,7 @@ class BatchIterator(StageIterator):
   the pipeline's counters."""
 
   def __init__(self, rows: PackIterator | ShardInterleaveIterator, *, batch_size: int,
-               capacities: Capacities, identity: Identity,
+               capacities: Capacities, identity: envelope.StreamIdentity,
                rebuild: Rebuild | None = None):
     super().__init__(rows)
     self._rows = rows
@@ -209,7 +194,7 @@ class BatchIterator(StageIterator):
       state = {**state, era_keys.DATA_ERAS: common, "shards": {
           key: {**entry, era_keys.ERAS: per_shard[int(key)]}
           for key, entry in state["shards"].items()}}
-    return envelope.sealed(state, _known(self._identity).fingerprint)
+    return envelope.sealed(state, self._identity.fingerprint)
 
   def set_state(self, state: dict[str, Any], *, allow_changes: bool = False,
                 saved_manifests: Mapping[str, Mapping[str, Manifest]] | None = None,
@@ -226,7 +211,7 @@ class BatchIterator(StageIterator):
     the groups' earlier record sets.
     """
     with self._step:
-      stages = envelope.opened(state, _known(self._identity), allow_changes=allow_changes,
+      stages = envelope.opened(state, self._identity, allow_changes=allow_changes,
                                saved_manifests=saved_manifests)
       eras = self._eras_of(stages, saved_manifests, saved_eras)
       rows = self._rows
@@ -283,7 +268,7 @@ class BatchIterator(StageIterator):
 
   def manifests(self) -> Mapping[str, Mapping[str, Manifest]]:
     """Per group and dataset, the data this stream reads (what a checkpoint keeps)."""
-    return _known(self._identity).manifests
+    return self._identity.manifests
 
   def era_manifests(self) -> era_keys.Sets:
     """Per group whose records were appended to at a restore, the files of each earlier
