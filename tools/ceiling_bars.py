@@ -36,23 +36,11 @@ import threading
 import time
 from pathlib import Path
 
+from proc_memory import status_mib  # tools/, this script's folder
+
 ROOT = Path(__file__).resolve().parents[1]
 MIXTURE_ROWS = {"t2i": 120, "edit": 40, "vlm": 80}  # records, cycled by the pipeline's epochs
-_STATUS = ("VmHWM", "RssAnon", "RssShmem")
-
-
-def _status(pid: int) -> dict[str, int]:
-  """The memory lines of /proc/PID/status, in bytes (empty once the process is gone)."""
-  out = {}
-  try:
-    with open(f"/proc/{pid}/status", encoding="ascii") as f:
-      for line in f:
-        key, _, value = line.partition(":")
-        if key in _STATUS:
-          out[key] = int(value.split()[0]) * 1024
-  except OSError:
-    pass
-  return out
+_STATUS = ("VmHWM", "RssAnon", "RssShmem")  # the lines of `status_mib` kept
 
 
 class _Peaks:
@@ -61,15 +49,16 @@ class _Peaks:
   def __init__(self, interval: float = 0.1):
     import psutil  # pylint: disable=import-outside-toplevel
     self._me, self._stop, self._interval = psutil.Process(), threading.Event(), interval
-    self.peaks: dict[int, dict[str, int]] = {}
+    self.peaks: dict[int, dict[str, float]] = {}
     self._thread = threading.Thread(target=self._run, daemon=True)
     self._thread.start()
 
   def _sample(self) -> None:
     for pid in [self._me.pid] + [c.pid for c in self._me.children(recursive=True)]:
       seen = self.peaks.setdefault(pid, {})
-      for key, value in _status(pid).items():
-        seen[key] = max(seen.get(key, 0), value)
+      for key, value in (status_mib(pid) or {}).items():
+        if key in _STATUS:
+          seen[key] = max(seen.get(key, 0), value)
 
   def _run(self) -> None:
     while not self._stop.wait(self._interval):
@@ -80,7 +69,7 @@ class _Peaks:
     self._stop.set()
     self._thread.join()
     self._sample()
-    mib = {pid: {k: v / 2**20 for k, v in p.items()} for pid, p in self.peaks.items()}
+    mib = dict(self.peaks)
     return {"main": [mib.pop(self._me.pid)],
             "workers": [p for p in mib.values() if p.get("VmHWM", 0) > 100]}
 
