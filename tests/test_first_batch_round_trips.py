@@ -6,8 +6,8 @@ clock: every request waits at a gate, and the gate lets through all the requests
 are waiting together (a wave) once no other has arrived for a while. Requests made
 at once share a wave; a request that needed another's answer waits for the next one.
 The waves from the `build_pipeline` call to the first batch in hand are the serial
-round trips. Counted in a process of its own (0 workers): the read-ahead in flight when
-the iterator closes may still be ending when the interpreter exits.
+round trips. Counted in a process of its own (0 workers), whose `http.request` the
+gate replaces.
 """
 
 import json
@@ -123,4 +123,3 @@ def test_the_first_batch_from_a_bucket_waits_on_few_serial_round_trips(s3_demo, 
 if __name__ == "__main__":
   print(json.dumps({"serial_round_trips": serial_round_trips(sys.argv[1], Path(sys.argv[2]))}),
         flush=True)
-  os._exit(0)  # pylint: disable=protected-access  # not waiting on read-ahead's daemon threads

@@ -473,10 +473,7 @@ def main() -> None:
   if len(sys.argv) > 1 and sys.argv[1] == "_place":
     print(json.dumps(_place(sys.argv[2], int(sys.argv[3]), float(sys.argv[4]),
                             float(sys.argv[5]))), flush=True)
-    # Read-ahead's daemon threads may still be in a read when the interpreter finalizes;
-    # under load that aborted the child now and then (SIGABRT, PyGILState_Release). The
-    # measurement is printed: end here.
-    os._exit(0)  # pylint: disable=protected-access
+    return
   parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   parser.add_argument("--shards", type=int, nargs="*", default=[100, 1000, 5000])
   parser.add_argument("--lines", type=int, nargs="*", default=[1_000_000, 10_000_000])

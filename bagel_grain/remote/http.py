@@ -38,7 +38,7 @@ import time
 import urllib.parse
 from typing import Iterator
 
-from bagel_grain import io_limits
+from bagel_grain import interpreter_exit, io_limits
 
 IDLE_S = 10.0  # a socket that receives nothing this long fails (transient)
 CONNECT_S = 5.0
@@ -130,6 +130,14 @@ class _Watchdog:
       self._heap = [entry for entry in self._heap if entry[1] != ticket]
       heapq.heapify(self._heap)
 
+  def cut_all(self) -> None:
+    """Cuts every socket being read now (the interpreter exits: see `interpreter_exit`)."""
+    with self._cond:
+      socks = [entry[2] for entry in self._heap]
+    for sock in socks:
+      with contextlib.suppress(OSError):
+        sock.shutdown(socket.SHUT_RDWR)
+
   def _run(self) -> None:
     while True:
       with self._cond:
@@ -141,6 +149,7 @@ class _Watchdog:
 
 
 _WATCHDOG = _Watchdog()
+interpreter_exit.on_exit(_WATCHDOG.cut_all)
 
 
 @dataclasses.dataclass
@@ -263,6 +272,7 @@ def request(method: str, url: str, headers: dict[str, str] | None = None,
   if now >= deadline:
     raise TimeoutError(f"{url}: no time left for the request")
   for fresh in (False, True):
+    interpreter_exit.check()
     conn = None if fresh else _POOL.take(parts.scheme, parts.netloc)
     reused = conn is not None
     if conn is None:

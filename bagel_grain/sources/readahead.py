@@ -37,7 +37,7 @@ from typing import Any, Callable, Hashable, Iterable
 
 import grain
 
-from bagel_grain import fs, held_memory, ranged_file
+from bagel_grain import fs, held_memory, interpreter_exit, ranged_file
 from bagel_grain.storage import RetryPolicy, element_deadline, single_attempts
 
 THREADS = 8  # requests in flight per group and process, at least
@@ -299,7 +299,8 @@ class DaemonThreads:
       if not future.set_running_or_notify_cancel():
         continue
       try:
-        result = call()
+        with interpreter_exit.working():  # a read may be inside pyarrow's C++
+          result = call()
       except BaseException as e:  # pylint: disable=broad-except  # the taker sees it
         future.set_exception(e)
       else:

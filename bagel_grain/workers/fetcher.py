@@ -47,7 +47,7 @@ import weakref
 from multiprocessing.connection import wait
 from typing import Any, Callable, Sequence
 
-from bagel_grain import storage
+from bagel_grain import interpreter_exit, storage
 from bagel_grain.config import PipelineConfig
 from bagel_grain.errors import StorageUnavailableError
 from bagel_grain.sources import readahead
@@ -270,7 +270,7 @@ class Fetcher:
       for group, indices in upcoming.items():
         readahead.read_ahead_of(self._datasets[group], indices)
       cpu_s = time.thread_time()
-      with storage.element_scope(self._abandoned) as spent:
+      with storage.element_scope(self._abandoned) as spent, interpreter_exit.working():
         try:
           value = self._datasets[key[0]][key[1]]
         except BaseException as e:  # pylint: disable=broad-except  # re-raised by the caller
