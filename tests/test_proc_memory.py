@@ -3,6 +3,7 @@
 import mmap
 import os
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -68,3 +69,45 @@ def test_the_verdict_judges_anonymous_and_shared_growth_apart():
   assert not verdict["flat"]
   assert any(r.startswith("worker 1: RssAnon_peak grew 40") for r in verdict["reasons"])
   assert any(r.startswith("main: RssShmem 200") for r in verdict["reasons"])
+
+
+def test_anonymous_pages_are_split_by_the_layout_of_their_mappings():
+  arena, stack = 64 * MIB, 8 * MIB
+  maps = [  # (start, end, perms, path, anonymous bytes), in address order
+      (0x400000, 0x500000, "rw-p", "/usr/bin/python3", 1 * MIB),  # a library's data, written
+      (0x600000, 0x2600000, "rw-p", "[heap]", 30 * MIB),
+      (3 * arena, 3 * arena + 20 * MIB, "rw-p", "", 18 * MIB),  # a thread arena's used part
+      (3 * arena + 20 * MIB, 4 * arena, "---p", "", 0),  # ... and the rest of its reservation
+      (5 * arena + 4096, 5 * arena + 8192, "---p", "", 0),  # a thread's guard page
+      (5 * arena + 8192, 5 * arena + 8192 + stack, "rw-p", "", 2 * MIB),  # ... its stack
+      (5 * arena + 9 * MIB, 5 * arena + 40 * MIB, "rw-p", "", 25 * MIB),  # mmaps, merged
+      (7 * arena, 7 * arena + 4 * MIB, "rw-p", "", 4 * MIB),  # aligned, not reserved: an mmap
+      (8 * arena, 8 * arena + 1 * MIB, "rw-p", "[stack]", 1 * MIB),
+  ]
+  assert proc_memory.split_mappings(maps) == {
+      "heap": 30, "thread_arenas": 18, "stacks": 3, "other_anon": 29, "file_private": 1}
+
+
+def test_the_split_of_this_process_finds_a_thread_arena_and_an_mmap_and_adds_up():
+  def allocate():  # blocks over pymalloc's 512 bytes, under mmap's threshold: the arena
+    kept.append([bytearray(2000) for _ in range(16_000)])  # 32 MiB
+  before = proc_memory.anon_split_mib(os.getpid())
+  kept: list = []
+  thread = threading.Thread(target=allocate)
+  thread.start()
+  thread.join()
+  with mmap.mmap(-1, 24 * MIB, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS) as m:
+    for i in range(0, 24 * MIB, mmap.PAGESIZE):
+      m[i] = 1
+    split = proc_memory.anon_split_mib(os.getpid())
+    anon = proc_memory.status_mib(os.getpid())["RssAnon"]
+  assert split["thread_arenas"] - before["thread_arenas"] >= 30
+  assert split["other_anon"] - before["other_anon"] >= 23
+  assert abs(sum(split.values()) - anon) < 4  # every anonymous page in one part
+
+
+def test_pymalloc_arenas_are_counted():
+  before = proc_memory.pymalloc_arenas()
+  small = [object() for _ in range(200_000)]  # 16 B each: about 3 MiB of 1 MiB arenas
+  assert proc_memory.pymalloc_arenas() - before >= 2
+  del small

@@ -7,6 +7,11 @@ lazily as code first runs); `RssShmem`, pages of shared memory it maps (memfd,
 last is bounded by the size of those mappings (`shared_mapped_mib`, from
 `/proc/PID/maps`), whatever writes them. Nothing here knows what the pipeline puts in
 shared memory: only /proc is read, so the soak judges any scheme alike.
+
+Where a process's anonymous pages lie (`anon_split_mib`, from `/proc/PID/smaps`) tells
+which allocator holds them: glibc's main arena, its per-thread arenas, thread stacks,
+or other mappings (pymalloc's arenas, Arrow's pools, malloc's large blocks). For the
+process itself, `pymalloc_arenas` and `arrow_pool_mib` count the last ones' users.
 """
 
 from __future__ import annotations
@@ -72,6 +77,109 @@ def reset_peak(pid: int) -> bool:
     return False
 
 
+_ARENA_RESERVE = 64 << 20  # a glibc thread arena's heap: reserved, aligned, used from its start
+
+
+def _mappings(pid: int):
+  """(start, end, perms, path, anonymous bytes) of each mapping in /proc/PID/smaps."""
+  out, current = [], None
+  with open(f"/proc/{pid}/smaps", encoding="utf-8", errors="replace") as f:
+    for line in f:
+      key, _, rest = line.partition(" ")
+      if "-" in key and not key.endswith(":"):  # a mapping's header line
+        parts = line.split(maxsplit=5)
+        start, end = (int(x, 16) for x in parts[0].split("-"))
+        current = [start, end, parts[1], parts[5].strip() if len(parts) > 5 else "", 0]
+        out.append(current)
+      elif key == "Anonymous:" and current is not None:
+        current[4] = int(rest.split()[0]) * 1024
+  return out
+
+
+def anon_split_mib(pid: int) -> dict[str, float] | None:
+  """The process's anonymous pages by origin, in MiB, from the layout of its mappings:
+  `heap` (glibc's main arena, `[heap]`), `thread_arenas` (glibc's other arenas: each a
+  64 MiB reservation whose used start is readable and writable), `stacks` (the main
+  thread's, and each thread's: a guard page, then its stack), `other_anon` (every other
+  anonymous mapping: malloc's large blocks, pymalloc's arenas, Arrow's jemalloc and
+  mimalloc, numpy's large arrays; the kernel merges adjacent ones, so they are not told
+  apart) and `file_private` (pages of mapped files written by this process). None once
+  the process is gone."""
+  try:
+    maps = _mappings(pid)
+  except OSError:
+    return None
+  return split_mappings(maps)
+
+
+def split_mappings(maps: list) -> dict[str, float]:
+  """`anon_split_mib` of mappings as `_mappings` lists them (start, end, perms, path,
+  anonymous bytes), in address order."""
+  out = dict.fromkeys(("heap", "thread_arenas", "stacks", "other_anon", "file_private"), 0)
+  for i, (start, end, perms, path, anon) in enumerate(maps):
+    before = maps[i - 1] if i else None
+    after = maps[i + 1] if i + 1 < len(maps) else None
+    if path == "[heap]":
+      kind = "heap"
+    elif path.startswith("[stack"):
+      kind = "stacks"
+    elif path:
+      kind = "file_private"
+    elif (start % _ARENA_RESERVE == 0 and end - start <= _ARENA_RESERVE
+          and (end - start == _ARENA_RESERVE or (after is not None and after[0] == end
+                                                 and after[2].startswith("---")
+                                                 and after[1] - start <= _ARENA_RESERVE))):
+      kind = "thread_arenas"
+    elif (before is not None and before[1] == start and before[2].startswith("---")
+          and not before[3] and before[1] - before[0] <= 64 << 10):
+      kind = "stacks"  # a pthread stack sits right above its guard page
+    else:
+      kind = "other_anon"
+    out[kind] += anon
+  return {k: round(v / 2**20, 1) for k, v in out.items()}
+
+
+def pymalloc_arenas() -> int | None:
+  """How many 1 MiB arenas CPython's small-object allocator holds in this process now
+  (from `sys._debugmallocstats`, which writes to the C stderr); None where unknown."""
+  import tempfile  # pylint: disable=import-outside-toplevel
+  if not hasattr(sys, "_debugmallocstats"):
+    return None
+  sys.stderr.flush()
+  saved = os.dup(2)
+  with tempfile.TemporaryFile() as f:
+    try:
+      os.dup2(f.fileno(), 2)
+      sys._debugmallocstats()  # pylint: disable=protected-access
+    finally:
+      os.dup2(saved, 2)
+      os.close(saved)
+    f.seek(0)
+    text = f.read().decode("ascii", "replace")
+  for line in text.splitlines():
+    if line.startswith("# arenas allocated current"):
+      return int(line.rpartition("=")[2].replace(",", ""))
+  return None
+
+
+def arrow_pool_mib() -> dict[str, float] | None:
+  """Arrow's memory in this process: what its jemalloc pool (the one the parquet source
+  decodes into) holds now and at most, and what its default pool holds now."""
+  arrow = sys.modules.get("pyarrow")
+  if arrow is None:
+    return None
+  out = {"total_allocated": round(arrow.total_allocated_bytes() / 2**20, 1)}
+  try:
+    pool = arrow.jemalloc_memory_pool()
+    out.update(jemalloc_allocated=round(pool.bytes_allocated() / 2**20, 1),
+               jemalloc_max=round(pool.max_memory() / 2**20, 1))
+  except NotImplementedError:
+    pass
+  default = arrow.default_memory_pool()
+  out[f"default_{default.backend_name}_allocated"] = round(default.bytes_allocated() / 2**20, 1)
+  return out
+
+
 class _MallInfo2(ctypes.Structure):
   _fields_ = [(name, ctypes.c_size_t) for name in (
       "arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks",
@@ -110,7 +218,9 @@ class Watch:
     self._hwm: dict[str, list[float]] = {}  # name: [peak of the first half, of the second]
     self._objects: list[Counter] = []
     self._malloc: list[dict[str, float] | None] = []  # the C heap at each half's end
-    self._arrow: list[float] = []  # MiB Arrow's memory pool holds, at each half's end
+    self._arrow: list[dict | None] = []  # Arrow's pools, at each half's end
+    self._pymalloc: list[int | None] = []  # pymalloc's arenas, at each half's end
+    self._split: dict[str, list[dict[str, float]]] = {}  # name: anon_split_mib per half end
     self._traces: list[tracemalloc.Snapshot] = []
     self._pids: dict[str, int] = {}
     self.load: list[float] = []  # the machine's 1-minute load average at each sample
@@ -155,8 +265,8 @@ class Watch:
   def _snapshot_python(self) -> None:
     self._objects.append(object_counts())
     self._malloc.append(malloc_mib())
-    arrow = sys.modules.get("pyarrow")
-    self._arrow.append(arrow.total_allocated_bytes() / 2**20 if arrow else 0.0)
+    self._arrow.append(arrow_pool_mib())
+    self._pymalloc.append(pymalloc_arenas())
     if tracemalloc.is_tracing():
       self._traces.append(tracemalloc.take_snapshot())
 
@@ -167,7 +277,13 @@ class Watch:
       if s is not None and "VmHWM" in s:
         self._hwm[name] = [s["VmHWM"]]
       reset_peak(pid)
+      self._split_at_half_end(name, pid)
     self._snapshot_python()
+
+  def _split_at_half_end(self, name: str, pid: int) -> None:
+    split = anon_split_mib(pid)
+    if split is not None:
+      self._split.setdefault(name, []).append(split)
 
   def stop(self) -> None:
     """The last sample, the second half's peaks and object counts; call before the
@@ -180,6 +296,8 @@ class Watch:
         s = status_mib(pid)
         if s is not None and name in self._hwm:
           self._hwm[name].append(s["VmHWM"])
+        if name in self._split:
+          self._split_at_half_end(name, pid)
       if self._halved:
         self._snapshot_python()
 
@@ -196,6 +314,11 @@ class Watch:
       if len(hwm) == 2:
         p["peak_rss_hwm"] = {"first_half": round(hwm[0], 1), "second_half": round(hwm[1], 1),
                              "growth": round(hwm[1] - hwm[0], 1)}
+      split = self._split.get(name, [])
+      if len(split) == 2:  # where the anonymous pages are, at each half's end
+        p["anon_split_mib"] = {"first_half_end": split[0], "second_half_end": split[1],
+                               "growth": {k: round(split[1][k] - split[0][k], 1)
+                                          for k in split[0]}}
       processes[name] = p
       growth = p.get("growth")
       if growth is None:
@@ -223,7 +346,8 @@ class Watch:
       out["main_objects"] = {"first_half_end": sum(self._objects[0].values()),
                              "second_half_end": sum(self._objects[1].values()),
                              "top_growth": dict(grown.most_common(10)),
-                             "arrow_pool_mib": [round(m, 1) for m in self._arrow],
+                             "arrow_pool_mib": self._arrow,
+                             "pymalloc_arenas": self._pymalloc,
                              "c_heap_mib": self._malloc}
     if len(self._traces) == 2:
       diff = self._traces[1].compare_to(self._traces[0], "lineno")[:10]
