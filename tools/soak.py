@@ -397,6 +397,7 @@ def _add_dataset(info_path: Path, raw: dict, name: str, entry: dict) -> None:
 def _run(it, pipeline_stats, args, injected, rearm=None) -> dict:
   # pylint: disable=import-outside-toplevel
   from bagel_grain.errors import StorageUnavailableError
+  from bagel_grain.workers.fetcher import live
   me = psutil.Process()
   duration = args.seconds if args.seconds is not None else args.minutes * 60
   start = time.monotonic()
@@ -456,6 +457,7 @@ def _run(it, pipeline_stats, args, injected, rearm=None) -> dict:
     if stats:
       report(time.monotonic())
     watch.stop()  # before close: the workers' last samples and peaks
+    decoded_here = sum(f.inline_elements for f in live())  # before close forgets them
     it.close()
   time.sleep(0.5)
   left = [p.pid for p in _workers(me) if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
@@ -478,6 +480,9 @@ def _run(it, pipeline_stats, args, injected, rearm=None) -> dict:
       "worker_pids_seen": sum(1 for name in watch.series if name != "main"),
       "workers_left_after_close": left,
       "storage_errors": storage_errors,
+      # elements the main process computed itself (workers busy, or not up yet): its
+      # memory follows them, not the workers'
+      "main_decoded_elements": decoded_here,
       "error": error,
   }
 
