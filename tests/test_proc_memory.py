@@ -1,9 +1,10 @@
 """The soak's memory reading (tools/proc_memory.py): shared pages apart from a leak."""
 
+import json
 import mmap
 import os
+import subprocess
 import sys
-import threading
 from pathlib import Path
 
 import pytest
@@ -88,22 +89,34 @@ def test_anonymous_pages_are_split_by_the_layout_of_their_mappings():
       "heap": 30, "thread_arenas": 18, "stacks": 3, "other_anon": 29, "file_private": 1}
 
 
-def test_the_split_of_this_process_finds_a_thread_arena_and_an_mmap_and_adds_up():
-  def allocate():  # blocks over pymalloc's 512 bytes, under mmap's threshold: the arena
-    kept.append([bytearray(2000) for _ in range(16_000)])  # 32 MiB
-  before = proc_memory.anon_split_mib(os.getpid())
-  kept: list = []
-  thread = threading.Thread(target=allocate)
-  thread.start()
-  thread.join()
-  with mmap.mmap(-1, 24 * MIB, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS) as m:
-    for i in range(0, 24 * MIB, mmap.PAGESIZE):
-      m[i] = 1
-    split = proc_memory.anon_split_mib(os.getpid())
-    anon = proc_memory.status_mib(os.getpid())["RssAnon"]
-  assert split["thread_arenas"] - before["thread_arenas"] >= 30
-  assert split["other_anon"] - before["other_anon"] >= 23
-  assert abs(sum(split.values()) - anon) < 4  # every anonymous page in one part
+_SPLIT = """
+import json, mmap, os, sys, threading
+sys.path.insert(0, sys.argv[1])
+import proc_memory
+MIB = 1 << 20
+kept = []
+def allocate():  # blocks over pymalloc's 512 bytes, under mmap's threshold: the arena
+  kept.append([bytearray(2000) for _ in range(16_000)])  # 32 MiB
+before = proc_memory.anon_split_mib(os.getpid())
+thread = threading.Thread(target=allocate)
+thread.start()
+thread.join()
+with mmap.mmap(-1, 24 * MIB, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS) as m:
+  for i in range(0, 24 * MIB, mmap.PAGESIZE):
+    m[i] = 1
+  after = proc_memory.anon_split_mib(os.getpid())
+  anon = proc_memory.status_mib(os.getpid())["RssAnon"]
+print(json.dumps([before, after, anon]))
+"""
+
+
+def test_the_split_of_a_process_finds_a_thread_arena_and_an_mmap_and_adds_up():
+  done = subprocess.run([sys.executable, "-c", _SPLIT, str(Path(proc_memory.__file__).parent)],
+                        capture_output=True, text=True, timeout=120, check=True)
+  before, after, anon = json.loads(done.stdout)  # a fresh process: its first thread arena
+  assert after["thread_arenas"] - before["thread_arenas"] >= 30
+  assert after["other_anon"] - before["other_anon"] >= 23
+  assert abs(sum(after.values()) - anon) < 4  # every anonymous page in one part
 
 
 def test_pymalloc_arenas_are_counted():
