@@ -1,5 +1,6 @@
 """The batching stage: rows written into static-shape batches; what Grain cannot do to it."""
 
+import collections
 import itertools
 import sys
 import threading
@@ -242,6 +243,9 @@ class Interrupting:
   def get_many(self, keys):
     return self.inner.get_many(keys)
 
+  def put_back(self, group, index, element):
+    self.inner.put_back(group, index, element)
+
   def reset(self):
     self.inner.reset()
 
@@ -300,6 +304,40 @@ def test_a_next_interrupted_anywhere_loses_and_repeats_nothing(fetch_at, write_a
         break
       assert balanced(it.stats())
   assert_same_elements(got, want)
+
+
+class Counting(list):
+  """A group whose elements count how often each is computed."""
+
+  def __init__(self, items, computed):
+    super().__init__(items)
+    self.computed = computed
+
+  def __getitem__(self, index):
+    value = super().__getitem__(index)
+    if isinstance(index, int):
+      self.computed[value.key.group, index] += 1
+    return value
+
+
+def test_a_failed_next_keeps_the_elements_it_drew_for_the_next_try():
+  """A step tried again (a storage error, a Ctrl-C) takes what it drew before, rather
+  than computing it again (in the main process, while workers run: issue 27's soak)."""
+  computed = collections.Counter()
+  groups = [Counting(g, computed) for g in transaction_groups()]
+  with iter(batched(groups, 2, expected=700, mandatory=[False, True])) as it:
+    want = take(it, 6)
+  computed.clear()
+  got = []
+  with iter(batched(groups, 2, expected=700, mandatory=[False, True],
+                    fetcher=lambda gs: Interrupting(gs, at={9, 25, 26, 60}))) as it:
+    while len(got) < len(want):
+      try:
+        got.append(copied(next(it)))
+      except KeyboardInterrupt:
+        pass
+  assert_same_elements(got, want)
+  assert computed and max(computed.values()) == 1, computed.most_common(3)
 
 
 def test_get_state_and_stats_from_another_thread_are_consistent():

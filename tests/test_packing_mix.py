@@ -32,6 +32,9 @@ class RecordingFetcher:
     self.asked.extend(keys)
     return self.inner.get_many(keys)
 
+  def put_back(self, group, index, element):
+    self.inner.put_back(group, index, element)
+
   def reset(self):
     self.inner.reset()
 

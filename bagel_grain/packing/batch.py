@@ -125,6 +125,7 @@ class BatchIterator(StageIterator):
           self._rows.restore(start)
         raise
       finally:
+        self._rows.forget_drawn()  # a batch made (or put back): its samples are not held
         with self._position_lock:
           self._in_flight = None
 

@@ -9,7 +9,11 @@ refuses are counted and replaced by the group's next one.
 State: each group's next element index and the draw counter, plus the counters
 of what was drawn and dropped. A `MixPosition` holds all of it (and the drop
 windows) by value: the stage above saves one before a step and puts it back when
-the step does not complete.
+the step does not complete. The elements drawn since the position saved last go
+back to the fetcher when that very position is put back (`restore`): the step is
+tried again (a storage error, a Ctrl-C), and draws the same elements, which are
+then taken, not computed again in this process (the fetcher's workers have handed
+them over already).
 """
 
 from __future__ import annotations
@@ -55,6 +59,8 @@ class ElementFetcher(Protocol):
   def get(self, group: int, index: int) -> Any: ...
 
   def get_many(self, keys: Sequence[tuple[int, int]]) -> list[Any]: ...
+
+  def put_back(self, group: int, index: int, element: Any) -> None: ...
 
   def reset(self) -> None: ...
 
@@ -139,6 +145,9 @@ class MixIterator(PositionedStageIterator):
     self._next_index = [0] * len(self._groups)
     self._draws = 0
     self._counts = DrawCounts(spec.group_names)
+    # The elements drawn since `position()` last returned `_drawn_since` (see `restore`).
+    self._drawn: list[tuple[int, int, Any]] = []
+    self._drawn_since: MixPosition | None = None
 
   @property
   def group_names(self) -> tuple[str, ...]:
@@ -173,6 +182,7 @@ class MixIterator(PositionedStageIterator):
       index = self._next_index[group]
       self._next_index[group] += 1
       element = self._waiting(self._fetcher.get, group, index)
+      self._drawn.append((group, index, element))
       reason = self._spec.drops.reason(element)
       self._limits.check_window(group, reason, element.key.record)
       if reason is None:
@@ -209,11 +219,23 @@ class MixIterator(PositionedStageIterator):
     return index // self._spec.records_per_epoch[group]
 
   def position(self) -> MixPosition:
-    return MixPosition(tuple(self._next_index), self._draws, self._counts.to_json(),
-                       self._limits.windows())
+    position = MixPosition(tuple(self._next_index), self._draws, self._counts.to_json(),
+                           self._limits.windows())
+    self._drawn, self._drawn_since = [], position
+    return position
+
+  def forget_drawn(self) -> None:
+    """Lets go of the elements drawn since the last `position()` (a step completed)."""
+    self._drawn, self._drawn_since = [], None
 
   def restore(self, position: MixPosition) -> None:
-    """Back to `position` (one saved by `position()`, or parsed from a state)."""
+    """Back to `position` (one saved by `position()`, or parsed from a state). When it is
+    the position `position()` returned last, the elements drawn since go back to the
+    fetcher: the draws from it ask for the same ones (by group and index) next."""
+    if position is self._drawn_since:
+      for group, index, element in self._drawn:
+        self._fetcher.put_back(group, index, element)
+    self.forget_drawn()
     self._limits = BadRecordLimits(self._spec.drops, self._spec.group_names, position.windows)
     self._next_index = list(position.next_index)
     self._draws = position.draws

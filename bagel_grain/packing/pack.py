@@ -173,6 +173,9 @@ class PackIterator(PositionedStageIterator):
     return PackPosition(self._mix.position(), tuple(self._buffer), tuple(self._carried),
                         self._counts.to_json())
 
+  def forget_drawn(self) -> None:
+    self._mix.forget_drawn()
+
   def restore(self, position: PackPosition) -> None:
     """Back to `position` (one saved by `position()`, or made by `parse_state`)."""
     self._mix.restore(position.mix)

@@ -56,6 +56,9 @@ class _GroupsFrom:
   def get_many(self, keys: Sequence[tuple[int, int]]) -> list[Any]:
     return self._fetcher.get_many([(self._offset + g, i) for g, i in keys])
 
+  def put_back(self, group: int, index: int, element: Any) -> None:
+    self._fetcher.put_back(self._offset + group, index, element)
+
   def reset(self) -> None:
     self._fetcher.reset()
 
@@ -136,6 +139,10 @@ class ShardInterleaveIterator(PositionedStageIterator):
   def position(self) -> InterleavePosition:
     return InterleavePosition(tuple((s, it.position()) for s, it in self._packers.items()),
                               tuple(self._rows.items()), frozenset(self._ended))
+
+  def forget_drawn(self) -> None:
+    for packer in self._packers.values():
+      packer.forget_drawn()
 
   def restore(self, position: InterleavePosition) -> None:
     """Back to `position` (one saved by `position()`, or made by `parse_state`)."""

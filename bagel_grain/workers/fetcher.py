@@ -166,6 +166,15 @@ class Fetcher:
       self._wake.send_bytes(b"")
     return [self._take(key) for key in keys]
 
+  def put_back(self, group: int, index: int, element: Any) -> None:
+    """An element taken before (by `get`) and not used: the next `get` of it returns it
+    rather than computing it again. Nothing is put back where it is being computed."""
+    key = (group, index)
+    with self._cond:
+      if key not in self._done and not self._assigned(key):
+        self._pending.pop(key, None)
+        self._done[key] = element
+
   def _wake_once(self) -> bool:
     """Whether the caller should wake the pump: not if a wake it has not seen yet is under
     way (a syscall per element was a tenth of the main thread's time). The pump clears
