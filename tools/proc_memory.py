@@ -220,6 +220,7 @@ class Watch:
     self._malloc: list[dict[str, float] | None] = []  # the C heap at each half's end
     self._arrow: list[dict | None] = []  # Arrow's pools, at each half's end
     self._pymalloc: list[int | None] = []  # pymalloc's arenas, at each half's end
+    self._held: list[dict | None] = []  # what the pipelines here hold (MiB), each half's end
     self._split: dict[str, list[dict[str, float]]] = {}  # name: anon_split_mib per half end
     self._traces: list[tracemalloc.Snapshot] = []
     self._pids: dict[str, int] = {}
@@ -267,6 +268,9 @@ class Watch:
     self._malloc.append(malloc_mib())
     self._arrow.append(arrow_pool_mib())
     self._pymalloc.append(pymalloc_arenas())
+    held = sys.modules.get("bagel_grain.held_memory")  # read-ahead bytes, row-group caches
+    self._held.append(None if held is None else {
+        k: round(v / 2**20, 1) for k, v in held.snapshot().items() if k != "rss_bytes"})
     if tracemalloc.is_tracing():
       self._traces.append(tracemalloc.take_snapshot())
 
@@ -348,6 +352,7 @@ class Watch:
                              "top_growth": dict(grown.most_common(10)),
                              "arrow_pool_mib": self._arrow,
                              "pymalloc_arenas": self._pymalloc,
+                             "held_by_pipeline_mib": self._held,
                              "c_heap_mib": self._malloc}
     if len(self._traces) == 2:
       diff = self._traces[1].compare_to(self._traces[0], "lineno")[:10]
