@@ -9,6 +9,7 @@ the assertions.
 
 import contextlib
 import dataclasses
+import gc
 import json
 import os
 import re
@@ -20,6 +21,7 @@ import textwrap
 import threading
 import time
 import types
+import weakref
 from pathlib import Path
 
 import numpy as np
@@ -64,6 +66,33 @@ def test_inline_fetcher_computes_what_it_is_asked_for():
   fetcher.close()
   fetcher.close()
 
+
+
+class _Unavailable(StorageUnavailableError):
+  """One that a weak reference can follow."""
+
+
+class UnavailableAt(Squares):
+  def __getitem__(self, index):
+    if index == 0:
+      raise _Unavailable("element 0", "TimeoutError", 24.0, 2)
+    return super().__getitem__(index)
+
+
+def test_a_storage_error_raised_by_get_is_freed_with_its_last_reference():
+  """Its traceback holds the frames of the failed step (a batch buffer, samples): no
+  reference cycle may keep them until a full collection runs (issue 27's soak)."""
+  fetcher = Fetcher([UnavailableAt(3)], workers=0, depths=[0])
+  gc.disable()
+  try:
+    try:
+      fetcher.get(0, 0)
+    except _Unavailable as e:
+      raised = weakref.ref(e)
+    assert raised() is None
+  finally:
+    gc.enable()
+    fetcher.close()
 
 
 class Counted(Squares):

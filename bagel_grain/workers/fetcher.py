@@ -228,7 +228,12 @@ class Fetcher:
             if isinstance(value, _Failure):
               if value.stale(began):
                 continue  # not assigned any more: computed again below
-              raise value.error
+              error = value.error
+              del value  # raised from a frame that holds it, the error would hold that frame
+              try:  # (a cycle): the failed step's batch buffer and samples lived on until a
+                raise error  # full collection, each retry's (issue 27's soak)
+              finally:
+                del error
             return value
           if not self._assigned(key):
             self._pending.pop(key, None)  # no worker has it: do it here rather than wait
@@ -291,6 +296,7 @@ class Fetcher:
         self._inline_key = None
         self._done[key] = value
         self._cond.notify_all()
+      del value  # a failure's traceback holds this frame: not kept till the next element
 
   def _untaken(self, key: tuple[int, int]) -> dict[int, list[int]]:
     """Per group, the elements the inline thread is likely to compute next, whose reads it
