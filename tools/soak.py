@@ -297,16 +297,18 @@ NOT_WORKERS: set[int] = set()  # child processes that are not the pool's (the S3
 
 
 @contextlib.contextmanager
-def storage_rows(demo: Path, tmp: Path):
+def storage_rows(demo: Path, tmp: Path, faults=tuple(r[1] for r in STORAGE_ROWS)):
   """A VLM dataset in a local S3 server behind a fault proxy, the environment pointing
   at it; yields (its dataset_info entry, a function that re-arms the slow object); the
-  server's and proxy's processes are listed in `NOT_WORKERS` while they run."""
+  server's and proxy's processes are listed in `NOT_WORKERS` while they run. `faults`: the
+  rows of `STORAGE_ROWS` to write, by fault (to find which one grows what)."""
+  rows = [r for r in STORAGE_ROWS if r[1] in faults]
   sys.path.insert(0, str(ROOT / "tests"))
   from object_store import LocalObjectStore  # pylint: disable=import-outside-toplevel
   folder = tmp / "bucket"
   shutil.copytree(demo / "vlm", folder)
   lines = (folder / "sft.jsonl").read_text().splitlines()[:GOOD_BUCKET_LINES]
-  (folder / "sft.jsonl").write_text("\n".join(lines + [r[2] for r in STORAGE_ROWS]) + "\n")
+  (folder / "sft.jsonl").write_text("\n".join(lines + [r[2] for r in rows]) + "\n")
   first_image = sorted((folder / "images").iterdir())[0]
   for name in ("soak_slow.png", "soak_claim.png"):
     shutil.copy(first_image, folder / "images" / name)
@@ -317,7 +319,7 @@ def storage_rows(demo: Path, tmp: Path):
     root = store.upload(str(folder), "soak")
     proxy = store.fault_proxy()
     os.environ.update(store.environment(proxy.port))
-    for path, fault, _ in STORAGE_ROWS:
+    for path, fault, _ in rows:
       if fault != "slow":  # for good; the slow one is armed by `rearm`
         proxy.fault(fault, match=f"soak/{path}" if not path.endswith("/")
                     else f"prefix=soak/{path}")
@@ -368,10 +370,11 @@ def soak(args) -> dict:
     with contextlib.ExitStack() as stack:
       rearm = None
       if args.storage:
-        entry, rearm = stack.enter_context(storage_rows(demo, tmp))
+        faults = args.storage_faults.split(",")
+        entry, rearm = stack.enter_context(storage_rows(demo, tmp, faults))
         _add_dataset(tmp / "corrupted" / "dataset_info.yaml", raw, "soak_bucket", entry)
         raw.update(storage_timeout_s=24, element_timeout_s=30)  # the issue's settings
-        injected["vlm_sft"] += len(STORAGE_ROWS) - 1  # the slow one is packed in the end
+        injected["vlm_sft"] += len(faults) - ("slow" in faults)  # the slow one is packed
       cfg = config_from_dict(raw, file=args.config, base_dir=str(Path(args.config).parent))
       tokenizer = load_tokenizer(demo / "tokenizer" / "tokenizer.json")
       it = iter(build_pipeline(cfg, tokenizer, batch_size=args.batch_size,
@@ -502,6 +505,8 @@ def main(argv=None) -> int:
   parser.add_argument("--keep", action="store_true", help="keep the temporary data")
   parser.add_argument("--storage", action="store_true",
                       help="add the storage rows (a local S3 server behind a fault proxy)")
+  parser.add_argument("--storage-faults", default=",".join(r[1] for r in STORAGE_ROWS),
+                      help="which storage rows, by fault (comma-separated)")
   parser.add_argument("--storage-every", type=float, default=120.0,
                       help="seconds between two arms of the slow object")
   parser.add_argument("--element-timeout-s", type=float, default=None,
