@@ -84,9 +84,11 @@ def test_anonymous_pages_are_split_by_the_layout_of_their_mappings():
       (5 * arena + 9 * MIB, 5 * arena + 40 * MIB, "rw-p", "", 25 * MIB),  # mmaps, merged
       (7 * arena, 7 * arena + 4 * MIB, "rw-p", "", 4 * MIB),  # aligned, not reserved: an mmap
       (8 * arena, 8 * arena + 1 * MIB, "rw-p", "[stack]", 1 * MIB),
+      (3 << 40, (3 << 40) + 64 * MIB, "rw-p", "", 5 * MIB),  # at mimalloc's hinted addresses
   ]
   assert proc_memory.split_mappings(maps) == {
-      "heap": 30, "thread_arenas": 18, "stacks": 3, "other_anon": 29, "file_private": 1}
+      "heap": 30, "thread_arenas": 18, "stacks": 3, "mimalloc": 5, "other_anon": 29,
+      "file_private": 1}
 
 
 _SPLIT = """

@@ -78,6 +78,9 @@ def reset_peak(pid: int) -> bool:
 
 
 _ARENA_RESERVE = 64 << 20  # a glibc thread arena's heap: reserved, aligned, used from its start
+# mimalloc (Arrow's default pool) asks for its segments at addresses from 2 TiB up, which
+# nothing else here asks for (the kernel places other mappings near the top, 128 TiB).
+_MIMALLOC_HINTS = (2 << 40, 32 << 40)
 
 
 def _mappings(pid: int):
@@ -100,10 +103,10 @@ def anon_split_mib(pid: int) -> dict[str, float] | None:
   """The process's anonymous pages by origin, in MiB, from the layout of its mappings:
   `heap` (glibc's main arena, `[heap]`), `thread_arenas` (glibc's other arenas: each a
   64 MiB reservation whose used start is readable and writable), `stacks` (the main
-  thread's, and each thread's: a guard page, then its stack), `other_anon` (every other
-  anonymous mapping: malloc's large blocks, pymalloc's arenas, Arrow's jemalloc and
-  mimalloc, numpy's large arrays; the kernel merges adjacent ones, so they are not told
-  apart) and `file_private` (pages of mapped files written by this process). None once
+  thread's, and each thread's: a guard page, then its stack), `mimalloc` (mappings at
+  mimalloc's hinted addresses: Arrow's default pool), `other_anon` (every other
+  anonymous mapping: malloc's large blocks, pymalloc's arenas, Arrow's jemalloc pool,
+  numpy's large arrays; the kernel merges adjacent ones, so they are not told apart) and `file_private` (pages of mapped files written by this process). None once
   the process is gone."""
   try:
     maps = _mappings(pid)
@@ -115,7 +118,8 @@ def anon_split_mib(pid: int) -> dict[str, float] | None:
 def split_mappings(maps: list) -> dict[str, float]:
   """`anon_split_mib` of mappings as `_mappings` lists them (start, end, perms, path,
   anonymous bytes), in address order."""
-  out = dict.fromkeys(("heap", "thread_arenas", "stacks", "other_anon", "file_private"), 0)
+  out = dict.fromkeys(("heap", "thread_arenas", "stacks", "mimalloc", "other_anon",
+                       "file_private"), 0)
   for i, (start, end, perms, path, anon) in enumerate(maps):
     before = maps[i - 1] if i else None
     after = maps[i + 1] if i + 1 < len(maps) else None
@@ -125,6 +129,8 @@ def split_mappings(maps: list) -> dict[str, float]:
       kind = "stacks"
     elif path:
       kind = "file_private"
+    elif _MIMALLOC_HINTS[0] <= start < _MIMALLOC_HINTS[1]:
+      kind = "mimalloc"
     elif (start % _ARENA_RESERVE == 0 and end - start <= _ARENA_RESERVE
           and (end - start == _ARENA_RESERVE or (after is not None and after[0] == end
                                                  and after[2].startswith("---")
