@@ -84,13 +84,18 @@ _OUTDATED = ("the sidecar index was written by an older bagel-grain (without the
 # -- parquet ---------------------------------------------------------------------
 
 
-def read_footer(path: str) -> pq.FileMetaData:
+def read_footer(path: str, pin: fs.FileInfo | None = None) -> pq.FileMetaData:
+  """A parquet file's footer, checked (`parquet_footer.check_footer`). With `pin` (its
+  listing: on a bucket no HEAD for its size) the footer is of that content, and is kept
+  for the first row groups' reads (`parquet_footer.known`)."""
   try:
-    with fs.open_random_access(path) as f:
+    with fs.open_random_access(path, pin=pin) as f:
       meta, size = pq.ParquetFile(f).metadata, f.size()
   except (OSError, pa.ArrowException) as e:
     raise DatasetError(f"cannot read parquet footer: {e}", file=path) from None
   parquet_footer.check_footer(meta, path, size)  # before any count sizes anything
+  if pin is not None:
+    parquet_footer.keep(pin, meta)
   return meta
 
 
