@@ -119,6 +119,9 @@ class ParquetCatalog:
                pins: dict[str, fs.FileInfo] | None = None):
     self.files, self.columns = list(files), list(columns)
     self.listed = tuple(listed)  # (name, size) of the folder's files, as the build listed them
+    # file path -> the content checksum its sidecar index records (the manifest's)
+    self.checksums = {path: f.identity.checksum() for path, f in (facts or {}).items()
+                      if f.identity is not None and f.identity.checksum()}
     self.pins = dict(pins or {})  # file path -> its listing: what every read must find
     self._facts = dict(facts or {})
     self._counts, self._counts_file = dict(counts or {}), counts_file
@@ -244,6 +247,7 @@ class ParquetRowSource:
     self._catalog = catalog or ParquetCatalog(files, columns)
     self._pins = self._catalog.pins  # reads are of the files the build listed, or dropped
     self.listed = self._catalog.listed  # (name, size) per file of the folder, when listed
+    self.checksums = self._catalog.checksums  # path -> its indexed content checksum
     self._files = list(files)
     self._columns = list(columns)
     self._max_cell_bytes = max_cell_bytes
