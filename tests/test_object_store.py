@@ -24,6 +24,8 @@ from bagel_grain.errors import StorageUnavailableError
 from bagel_grain.pipeline import build_pipeline, pipeline_stats
 from bagel_grain.remote import http
 from bagel_grain.sources import identity, parquet, parquet_footer, sidecar
+from bagel_grain.drops import Drop
+from bagel_grain.sources import jsonl
 from bagel_grain.sources.jsonl import JsonlLineSource
 from bagel_grain.sources.parquet import dataset_source
 from bagel_grain.tokenizer import load_tokenizer
@@ -763,3 +765,29 @@ def test_kept_footers_are_bounded_in_count_and_bytes(monkeypatch, demo_dir):
   monkeypatch.setattr(parquet_footer, "KEPT_FOOTER_BYTES", 2 * meta.serialized_size)
   kept.put(("g",), meta)
   assert [kept.get(k) is not None for k in [("f3",), ("f4",), ("g",)]] == [False, True, True]
+
+
+@pytest.mark.parametrize("bucket", ["s3"], indirect=True)
+def test_a_jsonl_object_changed_during_the_build_keeps_no_tail_and_drops_its_lines(
+    bucket, demo_dir, monkeypatch, tmp_path):
+  # The tail the manifest keeps is read pinned to the HEAD the lines are read by: an
+  # object replaced between the two has no tail of the content the stream reads (None:
+  # nothing to check on a resume), and its lines are dropped, never the build failed.
+  store, root = bucket
+  for name, value in store.environment().items():
+    monkeypatch.setenv(name, value)
+  path = f"{root}/vlm/sft.jsonl"
+  seen = fs.file_info(path)
+  assert JsonlLineSource(path).tail is not None
+  changed = tmp_path / "sft.jsonl"
+  lines = (demo_dir / "vlm" / "sft.jsonl").read_bytes()
+  changed.write_bytes(lines.replace(b"<image>", b"<IMAGE>", 1))
+  store.upload_file(changed, "demo/vlm/sft.jsonl")
+  try:
+    monkeypatch.setattr(jsonl, "_stamp", lambda p: seen)  # the HEAD made before the change
+    source = JsonlLineSource(path)
+    assert source.tail is None and source.size == seen.size
+    with pytest.raises(Drop):
+      source[0]  # pylint: disable=pointless-statement
+  finally:
+    store.upload_file(demo_dir / "vlm" / "sft.jsonl", "demo/vlm/sft.jsonl")
