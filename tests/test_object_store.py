@@ -707,6 +707,11 @@ def test_parquet_rows_are_read_pinned_to_the_listing(bucket, demo_dir, monkeypat
   assert e.value.reason == "unreadable_file"
 
 
+def fresh_footers():
+  """An empty footer cache: a process that read none (a worker)."""
+  return parquet_footer._Kept()  # pylint: disable=protected-access
+
+
 def _requests_to(monkeypatch, name: str) -> list[str]:
   """The Range of each request made from now on to objects whose key ends with `name`."""
   seen, request = [], http.request
@@ -743,13 +748,13 @@ def test_a_row_group_read_elsewhere_reads_its_footer_once(bucket, demo_dir, monk
     monkeypatch.setenv(name, value)
   local = dataset_source(str(demo_dir / "t2i"), None, ["image", "captions"])
   remote = dataset_source(f"{root}/t2i", None, ["image", "captions"])
-  monkeypatch.setattr(parquet_footer, "_KEPT", parquet_footer._Kept())  # pylint: disable=protected-access
+  monkeypatch.setattr(parquet_footer, "_KEPT", fresh_footers())
   seen = _requests_to(monkeypatch, "part-00000.parquet")
   first_groups = np.cumsum(remote.block_sizes())[:2]  # rows 0 and the next row group's first
   assert [remote[0], remote[int(first_groups[0])]] == [local[0], local[int(first_groups[0])]]
   assert len(seen) == 3, seen  # the footer, then one request per row group
   monkeypatch.setattr(parquet, "SPAN_BYTES", 1)
-  monkeypatch.setattr(parquet_footer, "_KEPT", parquet_footer._Kept())  # pylint: disable=protected-access
+  monkeypatch.setattr(parquet_footer, "_KEPT", fresh_footers())
   again = dataset_source(f"{root}/t2i", None, ["image", "captions"])
   seen.clear()
   assert again[0] == local[0] and len(seen) >= 2, seen  # each chunk on its own
