@@ -395,9 +395,9 @@ class ParquetRowSource:
     if meta is not None or pin is None or not fs.is_uri(path):
       return meta
     with fs.open_random_access(path, pin=pin) as f:
-      meta = ParquetReader(memory_pool=_memory_pool())
-      meta.open(f, pre_buffer=False)
-      meta = meta.metadata
+      reader = ParquetReader(memory_pool=_memory_pool())
+      reader.open(f, pre_buffer=False)
+      meta = reader.metadata
     parquet_footer.keep(pin, meta)
     return meta
 
