@@ -379,9 +379,12 @@ def open_object(path: str, pin: FileInfo | None = None) -> ObjectHandle:
 class _RangedObject(io.RawIOBase):
   """An `ObjectHandle` as a seekable raw file (for pyarrow's `PythonFile`)."""
 
-  def __init__(self, handle: ObjectHandle):
+  def __init__(self, handle: ObjectHandle, span: tuple[int, int] | None = None):
     super().__init__()
     self._handle, self._size, self._pos = handle, handle.size(), 0
+    self._span_at, self._span = 0, b""
+    if span is not None and span[1] > 0:  # one request now; reads inside it need none
+      self._span_at, self._span = span[0], handle.read_at(span[1], span[0])
 
   def readable(self) -> bool:
     return True
@@ -407,22 +410,30 @@ class _RangedObject(io.RawIOBase):
 
   def _read(self, length: int) -> bytes:
     want = min(length, max(0, self._size - self._pos))
-    data = self._handle.read_at(want, self._pos) if want else b""
+    inside = self._pos - self._span_at
+    if 0 <= inside and inside + want <= len(self._span):
+      data = self._span[inside:inside + want]
+    else:
+      data = self._handle.read_at(want, self._pos) if want else b""
     self._pos += len(data)
     return data
 
 
-def open_random_access(path: str, pin: FileInfo | None = None):
+def open_random_access(path: str, pin: FileInfo | None = None,
+                       span: tuple[int, int] | None = None):
   """A seekable pyarrow file (`read_at`, `size`, `seek`, `read`) for parquet footers and
   row groups and index files. On an object store each read is one ranged request of the
   content `pin` (a listing's entry) saw, else of the content its HEAD reported
-  (`ObjectHandle`); locally, with `pin` as in `read_file`."""
+  (`ObjectHandle`); `span` (offset, length): those bytes are read at once, in one
+  request, and the reads inside them make none (a parquet row group's column chunks,
+  read together instead of one after the other). Locally, with `pin` as in `read_file`
+  (`span` unused: a local read is no round trip)."""
   if _object(path) is None:
     if pin is not None:
       st = os.stat(path)
       _check_pin(path, st.st_size, st.st_mtime_ns, pin)
     return pafs.LocalFileSystem().open_input_file(os.path.abspath(path))
-  return pa.PythonFile(_RangedObject(open_object(path, pin)), mode="r")
+  return pa.PythonFile(_RangedObject(open_object(path, pin), span), mode="r")
 
 
 def _check_file(path: str, regular: bool, size: int, max_bytes: int | None) -> None:

@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+import pyarrow.parquet as pq
 import pytest
 from pyarrow import fs as pafs
 
@@ -21,7 +22,10 @@ from bagel_grain.config import config_from_dict
 from bagel_grain.configs import load_shipped
 from bagel_grain.errors import StorageUnavailableError
 from bagel_grain.pipeline import build_pipeline, pipeline_stats
-from bagel_grain.sources import identity, sidecar
+from bagel_grain.remote import http
+from bagel_grain.sources import identity, parquet, parquet_footer, sidecar
+from bagel_grain.drops import Drop
+from bagel_grain.sources import jsonl
 from bagel_grain.sources.jsonl import JsonlLineSource
 from bagel_grain.sources.parquet import dataset_source
 from bagel_grain.tokenizer import load_tokenizer
@@ -701,3 +705,94 @@ def test_parquet_rows_are_read_pinned_to_the_listing(bucket, demo_dir, monkeypat
   with pytest.raises(Drop, match="changed since the stream was built") as e:
     fresh[0]  # pylint: disable=pointless-statement
   assert e.value.reason == "unreadable_file"
+
+
+def fresh_footers():
+  """An empty footer cache: a process that read none (a worker)."""
+  return parquet_footer._Kept()  # pylint: disable=protected-access
+
+
+def _requests_to(monkeypatch, name: str) -> list[str]:
+  """The Range of each request made from now on to objects whose key ends with `name`."""
+  seen, request = [], http.request
+
+  def counted(method, url, headers=None, *args, **kwargs):
+    if url.split("?")[0].endswith(name):
+      seen.append(f"{method} {(headers or {}).get('Range')}")
+    return request(method, url, headers, *args, **kwargs)
+  monkeypatch.setattr(http, "request", counted)
+  return seen
+
+
+@pytest.mark.parametrize("bucket", ["s3"], indirect=True)
+def test_a_row_group_is_one_request_once_the_build_read_its_footer(bucket, demo_dir,
+                                                                   monkeypatch):
+  # Before: the footer read again, then each column chunk one after the other (three
+  # requests, one after the other, before the first row of an object's row group).
+  store, root = bucket
+  for name, value in store.environment().items():
+    monkeypatch.setenv(name, value)
+  local = dataset_source(str(demo_dir / "t2i"), None, ["image", "captions"])
+  remote = dataset_source(f"{root}/t2i", None, ["image", "captions"])  # reads the footers
+  seen = _requests_to(monkeypatch, "part-00000.parquet")
+  assert remote[0] == local[0]
+  assert seen and len(seen) == 1 and seen[0].startswith("GET bytes="), seen
+
+
+@pytest.mark.parametrize("bucket", ["s3"], indirect=True)
+def test_a_row_group_read_elsewhere_reads_its_footer_once(bucket, demo_dir, monkeypatch):
+  # A worker process has not read the footers: it reads each file's once, then each row
+  # group is one request; a span over `SPAN_BYTES` is read as its reader asks.
+  store, root = bucket
+  for name, value in store.environment().items():
+    monkeypatch.setenv(name, value)
+  local = dataset_source(str(demo_dir / "t2i"), None, ["image", "captions"])
+  remote = dataset_source(f"{root}/t2i", None, ["image", "captions"])
+  monkeypatch.setattr(parquet_footer, "_KEPT", fresh_footers())
+  seen = _requests_to(monkeypatch, "part-00000.parquet")
+  first_groups = np.cumsum(remote.block_sizes())[:2]  # rows 0 and the next row group's first
+  assert [remote[0], remote[int(first_groups[0])]] == [local[0], local[int(first_groups[0])]]
+  assert len(seen) == 3, seen  # the footer, then one request per row group
+  monkeypatch.setattr(parquet, "SPAN_BYTES", 1)
+  monkeypatch.setattr(parquet_footer, "_KEPT", fresh_footers())
+  again = dataset_source(f"{root}/t2i", None, ["image", "captions"])
+  seen.clear()
+  assert again[0] == local[0] and len(seen) >= 2, seen  # each chunk on its own
+
+
+def test_kept_footers_are_bounded_in_count_and_bytes(monkeypatch, demo_dir):
+  meta = pq.read_metadata(demo_dir / "t2i" / "part-00000.parquet")
+  kept = parquet_footer._Kept()  # pylint: disable=protected-access
+  monkeypatch.setattr(parquet_footer, "KEPT_FOOTERS", 3)
+  for i in range(5):
+    kept.put((f"f{i}",), meta)
+  assert [kept.get((f"f{i}",)) is not None for i in range(5)] == [False, False, True, True, True]
+  monkeypatch.setattr(parquet_footer, "KEPT_FOOTER_BYTES", 2 * meta.serialized_size)
+  kept.put(("g",), meta)
+  assert [kept.get(k) is not None for k in [("f3",), ("f4",), ("g",)]] == [False, True, True]
+
+
+@pytest.mark.parametrize("bucket", ["s3"], indirect=True)
+def test_a_jsonl_object_changed_during_the_build_keeps_no_tail_and_drops_its_lines(
+    bucket, demo_dir, monkeypatch, tmp_path):
+  # The tail the manifest keeps is read pinned to the HEAD the lines are read by: an
+  # object replaced between the two has no tail of the content the stream reads (None:
+  # nothing to check on a resume), and its lines are dropped, never the build failed.
+  store, root = bucket
+  for name, value in store.environment().items():
+    monkeypatch.setenv(name, value)
+  path = f"{root}/vlm/sft.jsonl"
+  seen = fs.file_info(path)
+  assert JsonlLineSource(path).tail is not None
+  changed = tmp_path / "sft.jsonl"
+  lines = (demo_dir / "vlm" / "sft.jsonl").read_bytes()
+  changed.write_bytes(lines.replace(b"<image>", b"<IMAGE>", 1))
+  store.upload_file(changed, "demo/vlm/sft.jsonl")
+  try:
+    monkeypatch.setattr(jsonl, "_stamp", lambda p: seen)  # the HEAD made before the change
+    source = JsonlLineSource(path)
+    assert source.tail is None and source.size == seen.size
+    with pytest.raises(Drop):
+      source[0]  # pylint: disable=pointless-statement
+  finally:
+    store.upload_file(demo_dir / "vlm" / "sft.jsonl", "demo/vlm/sft.jsonl")

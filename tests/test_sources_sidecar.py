@@ -145,7 +145,7 @@ def test_parquet_info_spares_the_footers_of_other_processes_files(tmp_path, monk
                               for f in range(4)}))
   read = []
   real = sidecar.read_footer
-  monkeypatch.setattr(sidecar, "read_footer", lambda p: read.append(p) or real(p))
+  monkeypatch.setattr(sidecar, "read_footer", lambda p, pin=None: read.append(p) or real(p, pin))
   got = _records(dataset_source(folder, None, ["id"], str(info)), shard_index=1,
                  shard_count=2)
   assert got == expected

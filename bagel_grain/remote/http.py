@@ -122,7 +122,8 @@ class _Watchdog:
         self._thread = threading.Thread(target=self._run, name="bagel-grain-deadlines",
                                         daemon=True)
         self._thread.start()
-      self._cond.notify()
+      if self._heap[0][1] == ticket:  # the soonest now: the thread waits for it instead
+        self._cond.notify()
       return ticket
 
   def release(self, ticket: int) -> None:

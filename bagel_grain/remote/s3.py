@@ -25,6 +25,7 @@ from __future__ import annotations
 import configparser
 import dataclasses
 import datetime
+import functools
 import hashlib
 import hmac
 import base64
@@ -232,6 +233,15 @@ def _quote(text: str) -> str:
   return urllib.parse.quote(text, safe="-_.~")
 
 
+@functools.lru_cache(maxsize=8)
+def _signing_key(secret_key: str, day: str, region: str) -> bytes:
+  """SigV4's key of a day and region: four HMACs, the same for every request that day."""
+  key = ("AWS4" + secret_key).encode()
+  for part in (day, region, "s3", "aws4_request"):
+    key = hmac.new(key, part.encode(), hashlib.sha256).digest()
+  return key
+
+
 def _sign(method: str, url: str, headers: dict[str, str], creds: Credentials,
           region: str, now: datetime.datetime | None = None,
           payload: str = _EMPTY_SHA256) -> dict[str, str]:
@@ -253,10 +263,8 @@ def _sign(method: str, url: str, headers: dict[str, str], creds: Credentials,
   scope = f"{day}/{region}/s3/aws4_request"
   to_sign = "\n".join(["AWS4-HMAC-SHA256", amz_date, scope,
                        hashlib.sha256(canonical.encode()).hexdigest()])
-  key = ("AWS4" + creds.secret_key).encode()
-  for part in (day, region, "s3", "aws4_request"):
-    key = hmac.new(key, part.encode(), hashlib.sha256).digest()
-  signature = hmac.new(key, to_sign.encode(), hashlib.sha256).hexdigest()
+  signature = hmac.new(_signing_key(creds.secret_key, day, region), to_sign.encode(),
+                       hashlib.sha256).hexdigest()
   out = {k: v for k, v in signed.items() if k.startswith("x-amz-")}
   out["Authorization"] = (f"AWS4-HMAC-SHA256 Credential={creds.access_key}/{scope}, "
                           f"SignedHeaders={';'.join(names)}, Signature={signature}")

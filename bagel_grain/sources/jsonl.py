@@ -17,7 +17,9 @@ the worker count.
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
+import hashlib
 import io
 import os
 import threading
@@ -48,9 +50,21 @@ class JsonlLineSource:
   def __init__(self, path: str, *, num_used: int | None = None, shuffle_lines: bool = False,
                shuffle_seed: int = 0):
     self._path = path
-    stamp = _stamp(path)  # before the scan: a change during it shows too
-    self._index: sidecar.LineIndex | None = sidecar.LineIndex(path)
+    if fs.is_uri(path):  # the object, its index stamp and its tail: requests made together
+      with concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="bagel-grain-jsonl") as pool:
+        index_stamp = pool.submit(sidecar.read_line_index_stamp, path)
+        stamp = _stamp(path)  # before the scan: a change during it shows too
+        tail = pool.submit(tail_digest, path, int(stamp.size), stamp)
+        self._index: sidecar.LineIndex | None = sidecar.LineIndex(path, stamp, index_stamp.result)
+        self.tail = tail.result()
+    else:
+      stamp = _stamp(path)
+      self._index = sidecar.LineIndex(path, stamp)
+      self.tail = tail_digest(path, int(stamp.size))
+    self.size = int(stamp.size)  # the bytes its lines are read from (the manifest's)
     known = self._index.identity  # the index's probe, else this file's now
+    # The content checksum its index records (the manifest's), None without one.
+    self.indexed_checksum = (known.checksum() or None) if known is not None else None
     self._stamp = (dataclasses.replace(stamp, probe=("jsonl", known.probe))
                    if known is not None and known.probe and not fs.is_uri(path)
                    else fs.with_probe(stamp, "jsonl"))
@@ -168,6 +182,24 @@ class JsonlLineSource:
       raise Drop(DropReason.UNREADABLE_FILE,
                  f"{e}; it changed since the stream was built: its lines are not read") from None
     return data[:-1] if data.endswith(b"\r") else data
+
+
+TAIL_BYTES = 4096
+
+
+def tail_digest(path: str, size: int, pin: fs.FileInfo | None = None) -> str | None:
+  """A digest of the file's bytes [size - TAIL_BYTES, size): the end of the lines a JSONL
+  held at `size` bytes, read again when it has grown. With `pin`, of the content the pin
+  saw; None when that content is gone (its lines are dropped, as the stream's reads find)."""
+  start = max(0, size - TAIL_BYTES)
+  try:
+    data = fs.read_range(path, start, size - start, pin=pin) if fs.is_uri(path) else None
+  except fs.ObjectChanged:
+    return None
+  if data is None:
+    with fs.open_random_access(path) as f:
+      data = f.read_at(size - start, start)
+  return hashlib.sha256(data).hexdigest()[:16]
 
 
 def _stamp(path: str) -> fs.FileInfo:

@@ -31,6 +31,7 @@ from bagel_grain.config import DatasetSpec
 from bagel_grain.sources import sidecar
 from bagel_grain.sources.array_record import array_record_files
 from bagel_grain.sources.base import RecordSource
+from bagel_grain.sources.jsonl import JsonlLineSource, tail_digest  # noqa: F401 (re-exported)
 from bagel_grain.sources.parquet import ParquetRowSource
 
 
@@ -72,18 +73,6 @@ class Manifest:
 CONTENT = "content"  # the summary's key for the content checksums' digest
 
 
-TAIL_BYTES = 4096
-
-
-def tail_digest(path: str, size: int) -> str:
-  """A digest of the file's bytes [size - TAIL_BYTES, size): the end of the lines a JSONL
-  held at `size` bytes, read again when it has grown."""
-  start = max(0, size - TAIL_BYTES)
-  with fs.open_random_access(path) as f:
-    data = f.read_at(size - start, start)
-  return hashlib.sha256(data).hexdigest()[:16]
-
-
 def dataset_manifest(spec: DatasetSpec, record_format: str, source: RecordSource) -> Manifest:
   """The manifest of one dataset as its (unrestricted) source reads it: the listing of its
   folder the build made (a parquet source keeps it), or one look at its file; `record_format` as `Family.record_format` says."""
@@ -94,16 +83,22 @@ def dataset_manifest(spec: DatasetSpec, record_format: str, source: RecordSource
     files = [(_relative(p, root), fs.file_info(p).size) for p in paths]
   elif record_format == "jsonl":
     root = fs.dirname(spec.jsonl_path)
-    size = fs.file_info(spec.jsonl_path).size
     name = _relative(spec.jsonl_path, root)
-    checksum = sidecar.indexed_checksums(spec.jsonl_path, "jsonl").get(spec.jsonl_path)
-    return Manifest(root, ((name, size),), source.num_blocks(),
-                    tail_digest(spec.jsonl_path, size), ((name, checksum),) if checksum else ())
+    if isinstance(source, JsonlLineSource):  # the build's look at the file and its index
+      size, tail, checksum = source.size, source.tail, source.indexed_checksum
+    else:
+      size = fs.file_info(spec.jsonl_path).size
+      tail = tail_digest(spec.jsonl_path, size)
+      checksum = sidecar.indexed_checksums(spec.jsonl_path, "jsonl").get(spec.jsonl_path)
+    return Manifest(root, ((name, size),), source.num_blocks(), tail,
+                    ((name, checksum),) if checksum else ())
   else:
     root = spec.data_dir
-    files = (list(source.listed) if isinstance(source, ParquetRowSource) and source.listed
-             else [(i.base_name, i.size) for i in fs.list_file_infos(spec.data_dir, ".parquet")])
-    checksums = sidecar.indexed_checksums(spec.data_dir, "parquet")
+    if isinstance(source, ParquetRowSource) and source.listed:  # the build's listing, index
+      files, checksums = list(source.listed), source.checksums
+    else:
+      files = [(i.base_name, i.size) for i in fs.list_file_infos(spec.data_dir, ".parquet")]
+      checksums = sidecar.indexed_checksums(spec.data_dir, "parquet")
     return Manifest(root, tuple(sorted(files)), source.num_blocks(),
                     contents=tuple(sorted((name, checksums[fs.join(root, name)])
                                           for name, _ in files

@@ -119,6 +119,9 @@ class ParquetCatalog:
                pins: dict[str, fs.FileInfo] | None = None):
     self.files, self.columns = list(files), list(columns)
     self.listed = tuple(listed)  # (name, size) of the folder's files, as the build listed them
+    # file path -> the content checksum its sidecar index records (the manifest's)
+    self.checksums = {path: f.identity.checksum() for path, f in (facts or {}).items()
+                      if f.identity is not None and f.identity.checksum()}
     self.pins = dict(pins or {})  # file path -> its listing: what every read must find
     self._facts = dict(facts or {})
     self._counts, self._counts_file = dict(counts or {}), counts_file
@@ -133,7 +136,8 @@ class ParquetCatalog:
     (`_probe_pins`)."""
     with concurrent.futures.ThreadPoolExecutor(io_limits.FOOTER_THREADS) as pool:
       self._probe_pins(pool, paths)
-      for path, meta in zip(paths, pool.map(sidecar.read_footer, paths)):
+      for path, meta in zip(paths, pool.map(
+          lambda p: sidecar.read_footer(p, self.pins.get(p)), paths)):
         facts = sidecar.ParquetFileFacts.of_footer(meta)
         if path in self._counts and (self._counts[path] != len(facts.row_group_rows)
                                      or not np.all(facts.row_group_rows)):
@@ -243,6 +247,7 @@ class ParquetRowSource:
     self._catalog = catalog or ParquetCatalog(files, columns)
     self._pins = self._catalog.pins  # reads are of the files the build listed, or dropped
     self.listed = self._catalog.listed  # (name, size) per file of the folder, when listed
+    self.checksums = self._catalog.checksums  # path -> its indexed content checksum
     self._files = list(files)
     self._columns = list(columns)
     self._max_cell_bytes = max_cell_bytes
@@ -358,21 +363,43 @@ class ParquetRowSource:
     by doubling: Arrow's peak is about 4 times the row group, against under 3 this
     way (a binary column pyarrow wrote dictionary-first still decodes that page whole).
     """
-    with fs.open_random_access(path, pin=self._pins.get(path)) as f:
+    pin = self._pins.get(path)
+    meta = self._footer(path, pin)
+    wanted = set(self._columns)  # a nested column is read through its leaves
+    if meta is not None and row_group >= meta.num_row_groups:
+      raise _RowGroupGone(f"the file has {meta.num_row_groups} row groups now")
+    span = None if meta is None or not fs.is_uri(path) else _chunk_span(meta, row_group,
+                                                                         wanted)
+    with fs.open_random_access(path, pin=pin, span=span) as f:
       # pyarrow's ParquetFile takes no pool: its reader does (the class ParquetFile wraps).
       parquet = ParquetReader(memory_pool=_memory_pool())
-      parquet.open(f, buffer_size=_BATCH_BYTES, pre_buffer=False)
+      parquet.open(f, buffer_size=_BATCH_BYTES, pre_buffer=False, metadata=meta)
       if row_group >= parquet.metadata.num_row_groups:
         raise _RowGroupGone(f"the file has {parquet.metadata.num_row_groups} row groups now")
       nbytes = parquet.metadata.row_group(row_group).total_byte_size  # uncompressed
       self._cache.make_room(nbytes)
       batch_rows = max(1, min(rows, _BATCH_BYTES * rows // max(1, nbytes)))
-      wanted = set(self._columns)  # a nested column is read through its leaves
       columns = [i for i, leaf in enumerate(parquet.column_paths) if leaf[0] in wanted]
       batches = parquet.iter_batches(batch_rows, [row_group], columns, use_threads=False)
       if self._max_cell_bytes is None:
         return pa.Table.from_batches(list(batches))
       return _drop_oversized_cells(batches, self._max_cell_bytes)
+
+  @staticmethod
+  def _footer(path: str, pin: fs.FileInfo | None):
+    """The footer of the content `pin` saw: the one this process read last (the build's),
+    else, for an object, read now (a request of its own, kept for the next row groups),
+    so that the row group's column chunks are read together (`_chunk_span`). None for a
+    local file not read yet: its reader reads it."""
+    meta = parquet_footer.known(pin)
+    if meta is not None or pin is None or not fs.is_uri(path):
+      return meta
+    with fs.open_random_access(path, pin=pin) as f:
+      reader = ParquetReader(memory_pool=_memory_pool())
+      reader.open(f, pre_buffer=False)
+      meta = reader.metadata
+    parquet_footer.keep(pin, meta)
+    return meta
 
   def __getitem__(self, index: int) -> dict[str, Any]:
     self._build()
@@ -390,6 +417,31 @@ class ParquetRowSource:
     fields = {name: table.column(name)[row].as_py() for name in self._columns}
     self.bytes_served += sum(_nbytes(v) for v in fields.values())
     return fields
+
+
+# A row group's column chunks are read as one request when the bytes from the first to the
+# last of those read are at most this many (held until the row group is decoded); a larger
+# one is read as its reader asks, a buffer at a time.
+SPAN_BYTES = 32 << 20
+
+
+def _chunk_span(meta, row_group: int, columns: set[str]) -> tuple[int, int] | None:
+  """(offset, length) of the bytes holding `row_group`'s chunks of `columns` (their
+  dictionary and data pages), if at most `SPAN_BYTES`; else None."""
+  group = meta.row_group(row_group)
+  first, last = None, 0
+  for j in range(group.num_columns):
+    chunk = group.column(j)
+    if chunk.path_in_schema.split(".")[0] not in columns:
+      continue
+    start = chunk.data_page_offset
+    if chunk.has_dictionary_page and chunk.dictionary_page_offset is not None:
+      start = min(start, chunk.dictionary_page_offset)
+    first = start if first is None else min(first, start)
+    last = max(last, start + chunk.total_compressed_size)
+  if first is None or first < 0 or last - first > SPAN_BYTES:
+    return None
+  return first, last - first
 
 
 _OVERSIZED = b"bagel_grain.oversized_rows"  # table metadata: row -> what was too large

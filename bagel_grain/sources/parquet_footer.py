@@ -14,10 +14,16 @@ the bytes the file holds:
 
 A footer that passes and still lies (every count edited alike) is found when the
 row group is read: `ParquetRowSource` drops the rows it does not hold.
+
+The footers a build read (checked) are kept, a few per process (`keep`, `known`): the
+first row groups' reads find theirs there instead of reading it again (on a bucket one
+round trip before the first batch).
 """
 
 from __future__ import annotations
 
+import collections
+import threading
 from typing import Sequence
 
 import numpy as np
@@ -77,3 +83,60 @@ def check_indexed_rows(row_group_rows: np.ndarray, file_bytes: int, path: str,
     raise DatasetError(f"the sidecar index says {rows} rows for {path}, a file of {file_bytes} "
                        f"bytes (at most {MAX_ROWS_PER_BYTE} rows a byte, none negative). Run "
                        "`bagel-grain index CONFIG` again", file=index)
+
+
+# Footers kept per process, by the file's pin (its listing): at most this many, and this
+# many bytes of them as stored in their files.
+KEPT_FOOTERS = 256
+KEPT_FOOTER_BYTES = 16 << 20
+
+
+class _Kept:
+  """An LRU of checked footers by (path, content identity), bounded in count and bytes."""
+
+  def __init__(self):
+    self._footers: collections.OrderedDict[tuple, tuple[pq.FileMetaData, int]] = (
+        collections.OrderedDict())
+    self._bytes = 0
+    self._lock = threading.Lock()
+
+  def put(self, key: tuple, meta: pq.FileMetaData) -> None:
+    size = int(meta.serialized_size)
+    if size > KEPT_FOOTER_BYTES:
+      return
+    with self._lock:
+      if key in self._footers:
+        self._footers.move_to_end(key)
+        return
+      self._footers[key] = (meta, size)
+      self._bytes += size
+      while len(self._footers) > KEPT_FOOTERS or self._bytes > KEPT_FOOTER_BYTES:
+        _, (_, dropped) = self._footers.popitem(last=False)
+        self._bytes -= dropped
+
+  def get(self, key: tuple) -> pq.FileMetaData | None:
+    with self._lock:
+      kept = self._footers.get(key)
+      if kept is None:
+        return None
+      self._footers.move_to_end(key)
+      return kept[0]
+
+
+_KEPT = _Kept()
+
+
+def _key(pin) -> tuple:
+  """A pin (`fs.FileInfo`) as the content it stands for: a local file's probe aside (added
+  to its pin once read, same content)."""
+  return (pin.path, pin.size, pin.mtime_ns, pin.etag, pin.generation, pin.md5, pin.crc32c)
+
+
+def keep(pin, meta: pq.FileMetaData) -> None:
+  """Keeps the checked footer `meta` of the content `pin` (a listing's entry) saw."""
+  _KEPT.put(_key(pin), meta)
+
+
+def known(pin) -> pq.FileMetaData | None:
+  """The checked footer of the content `pin` saw, if this process read it lately."""
+  return None if pin is None else _KEPT.get(_key(pin))

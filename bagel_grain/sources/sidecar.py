@@ -29,6 +29,7 @@ from __future__ import annotations
 import array
 import concurrent.futures
 import dataclasses
+import functools
 import hashlib
 import io
 import json
@@ -84,13 +85,18 @@ _OUTDATED = ("the sidecar index was written by an older bagel-grain (without the
 # -- parquet ---------------------------------------------------------------------
 
 
-def read_footer(path: str) -> pq.FileMetaData:
+def read_footer(path: str, pin: fs.FileInfo | None = None) -> pq.FileMetaData:
+  """A parquet file's footer, checked (`parquet_footer.check_footer`). With `pin` (its
+  listing: on a bucket no HEAD for its size) the footer is of that content, and is kept
+  for the first row groups' reads (`parquet_footer.known`)."""
   try:
-    with fs.open_random_access(path) as f:
+    with fs.open_random_access(path, pin=pin) as f:
       meta, size = pq.ParquetFile(f).metadata, f.size()
   except (OSError, pa.ArrowException) as e:
     raise DatasetError(f"cannot read parquet footer: {e}", file=path) from None
   parquet_footer.check_footer(meta, path, size)  # before any count sizes anything
+  if pin is not None:
+    parquet_footer.keep(pin, meta)
   return meta
 
 
@@ -366,7 +372,8 @@ def line_starts_from_ends(ends: Sequence[np.ndarray], size: int) -> np.ndarray:
   return starts
 
 
-def scan_line_starts(path: str, progress: Callable | None = None) -> np.ndarray:
+def scan_line_starts(path: str, progress: Callable | None = None,
+                     size: int | None = None) -> np.ndarray:
   """N + 1 int64: where each of the N lines starts, then one past the last line's end.
 
   Line i is bytes [b[i], b[i + 1] - 1) (its `\\n` excluded), as upstream's
@@ -374,7 +381,7 @@ def scan_line_starts(path: str, progress: Callable | None = None) -> np.ndarray:
   empty tail after the final newline does not. Chunks are scanned by numpy; the
   offsets never pass through Python lists.
   """
-  size = fs.file_info(path).size
+  size = fs.file_info(path).size if size is None else size
   return line_starts_from_ends([line_ends(path, 0, size, progress)], size)
 
 
@@ -500,18 +507,29 @@ class NpyRange:
     self._file.close()
 
 
-class LineIndex:
-  """Where the lines of one JSONL file are: from its sidecar when fresh, else by a scan."""
+def read_line_index_stamp(path: str) -> bytes:
+  """The JSONL file `path`'s index stamp (`F.bagel_index.json`), unparsed; FileNotFoundError
+  when there is none."""
+  return fs.read_bytes(_jsonl_paths(path)[0])
 
-  def __init__(self, path: str):
+
+class LineIndex:
+  """Where the lines of one JSONL file are: from its sidecar when fresh, else by a scan.
+
+  `info`: the file as the caller saw it (its `fs.FileInfo`), checked against the index
+  and sizing a scan (else looked up); `stamp`: `read_line_index_stamp` of it, when the
+  caller read it already (on a bucket, at the same time as `info`)."""
+
+  def __init__(self, path: str, info: fs.FileInfo | None = None,
+               stamp: Callable[[], bytes] | None = None):
     self.path = path
     self._lines: NpyRange | None = None
     self._starts: np.ndarray | None = None
     meta_path, lines_path = _jsonl_paths(path)
     try:
-      meta = json.loads(fs.read_bytes(meta_path))
+      meta = json.loads((stamp or functools.partial(read_line_index_stamp, path))())
     except FileNotFoundError:
-      self._starts = scan_line_starts(path)
+      self._starts = scan_line_starts(path, size=None if info is None else info.size)
       self.count = len(self._starts) - 1
       if self.count >= WARN_LINES:
         _warn_once(path, f"scans its {self.count:,} lines for their offsets")
@@ -525,8 +543,8 @@ class LineIndex:
       raise DatasetError(_rebuild_hint("not a bagel-grain JSONL index"), file=meta_path)
     self._crc32 = meta["crc32"]
     self.identity = _jsonl_identity(meta, meta_path)
-    _check_files(meta_path, [(path, self.identity, identity.of_listing(fs.file_info(path)))],
-                 "jsonl")
+    _check_files(meta_path, [(path, self.identity,
+                              identity.of_listing(info or fs.file_info(path)))], "jsonl")
     self._lines = NpyRange(lines_path, self._checksums(lines_path))
     self.count = int(meta["lines"])
     if self._lines.size != self.count + 1:
