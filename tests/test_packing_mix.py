@@ -40,6 +40,7 @@ class RecordingFetcher:
 
   def close(self):
     self.closed += 1
+    self.inner.close()  # else its thread keeps it live: a later test's `fetcher.live()` sees it
 
 
 def test_draws_follow_the_weights():
