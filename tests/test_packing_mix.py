@@ -8,11 +8,14 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from hypothesis import given, settings, strategies as st
 
 from bagel_grain.errors import StateMismatchError
 from bagel_grain.workers import Fetcher
 from bagel_grain.packing.mix import (
-    MANDATORY_READ_AHEAD, MIN_READ_AHEAD, READ_AHEAD_PER_WORKER, draw_group, read_ahead)
+    MANDATORY_READ_AHEAD, MIN_READ_AHEAD, READ_AHEAD_PER_WORKER, draw_group, group_at,
+    read_ahead)
+from bagel_grain.packing.shares import cumulative_shares
 from packer_samples import make_sample, mixed
 from resume import assert_resumes_identically, take
 
@@ -40,6 +43,7 @@ class RecordingFetcher:
 
   def close(self):
     self.closed += 1
+    self.inner.close()  # else its thread keeps it live: a later test's `fetcher.live()` sees it
 
 
 def test_draws_follow_the_weights():
@@ -87,6 +91,24 @@ def test_a_draw_depends_only_on_seed_process_and_draw_number():
   without = [draw_group(5, 0, d, [1.0, 1.0, 1.0], [True, False, True]) for d in range(200)]
   assert 1 not in without
   assert all(a == b for a, b in zip(draws, without) if a != 1)
+
+
+@settings(max_examples=300, deadline=None)
+@given(weights=st.lists(st.floats(0.0, 1e6), min_size=1, max_size=6),
+       active=st.lists(st.booleans(), min_size=6, max_size=6),
+       u=st.floats(0.0, 1.0, exclude_max=True), at_bound=st.booleans())
+def test_the_group_of_a_uniform_is_the_searchsorted_one(weights, active, u, at_bound):
+  """The drawn group is the first cumulative share above the draw's uniform, as
+  `np.searchsorted(side="right")` finds it on the shares' floats (a draw exactly on a
+  bound, or above the last bound that rounding left under 1, included)."""
+  active = [a and w > 0 for a, w in zip(active, weights)]
+  if not any(active):
+    return
+  cumulative = cumulative_shares(weights, active)
+  if at_bound:
+    u = float(cumulative[int(u * len(cumulative))])
+  expected = int(min(np.searchsorted(cumulative, u, side="right"), len(weights) - 1))
+  assert group_at(u, cumulative.tolist()) == expected
 
 
 def test_read_ahead_grows_with_workers_by_weight():

@@ -15,7 +15,7 @@ from typing import Sequence
 from bagel_grain.drops import Dropped, DropReason
 from bagel_grain.errors import GroupExhaustedError
 from bagel_grain.packing.prepare import PreparedSample
-from bagel_grain.packing.row import Capacities, Usage
+from bagel_grain.packing.row import Capacities
 
 
 @dataclasses.dataclass(frozen=True)
@@ -34,7 +34,7 @@ class DropPolicy:
       return element.reason
     if element.packed_size > self.max_num_tokens_per_sample:
       return DropReason.OVER_MAX_TOKENS_PER_SAMPLE
-    over = self.capacities.overflows(Usage.of(element.layout))
+    over = self.capacities.overflows(element.usage)
     return DropReason.over_row_capacity(over[0]) if over else None
 
 
@@ -70,8 +70,8 @@ class BadRecordLimits:
     recent.append(reason)
     if len(recent) < recent.maxlen:
       return
-    bad = collections.Counter(r for r in recent if r is not None)
-    if sum(bad.values()) > policy.max_bad_ratio * len(recent):
+    if len(recent) - recent.count(None) > policy.max_bad_ratio * len(recent):
+      bad = collections.Counter(r for r in recent if r is not None)
       raise GroupExhaustedError(
           f"group {self._names[group]!r}: {sum(bad.values())} of its last {len(recent)} "
           f"records were dropped (top reasons: {_top(bad)}; last record: {record}). Fix the "

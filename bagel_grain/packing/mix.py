@@ -18,6 +18,7 @@ them over already).
 
 from __future__ import annotations
 
+import bisect
 import collections
 import copy
 import dataclasses
@@ -78,9 +79,20 @@ def inline_fetcher(groups: Sequence[grain.MapDataset]) -> Fetcher:
 def draw_group(seed: int, process_index: int, draw: int, weights: Sequence[float],
                active: Sequence[bool]) -> int:
   """The group of weighted draw number `draw`, from an RNG keyed by (seed, process, draw)."""
-  u = np.random.default_rng([seed, _DRAW_STREAM, process_index, draw]).random()
-  cumulative = cumulative_shares(weights, active)
-  return int(min(np.searchsorted(cumulative, u, side="right"), len(weights) - 1))
+  return group_at(draw_uniform(seed, process_index, draw),
+                  cumulative_shares(weights, active).tolist())
+
+
+def draw_uniform(seed: int, process_index: int, draw: int) -> float:
+  """Weighted draw number `draw`'s uniform in [0, 1), keyed by (seed, process, draw)."""
+  return np.random.default_rng([seed, _DRAW_STREAM, process_index, draw]).random()
+
+
+def group_at(u: float, cumulative: Sequence[float]) -> int:
+  """The group whose share (`cumulative_shares`, as floats) holds `u`: the first bound
+  above it, the last group if none is (the same float comparisons as
+  `np.searchsorted(..., side="right")`, without an array per draw)."""
+  return min(bisect.bisect_right(cumulative, u), len(cumulative) - 1)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -136,6 +148,7 @@ class MixIterator(PositionedStageIterator):
                fetcher: FetcherFactory = inline_fetcher):
     super().__init__()
     self._groups = list(groups)
+    self._lengths = [len(g) for g in self._groups]  # asked once: each is a chain of calls
     self._spec = spec
     self._close_fetcher: Callable[[], Any] = lambda: None  # until there is a fetcher
     self._fetcher = fetcher(self._groups)
@@ -148,13 +161,14 @@ class MixIterator(PositionedStageIterator):
     # The elements drawn since `position()` last returned `_drawn_since` (see `restore`).
     self._drawn: list[tuple[int, int, Any]] = []
     self._drawn_since: MixPosition | None = None
+    self._shares: dict[tuple[bool, ...], list[float]] = {}  # cumulative shares by active groups
 
   @property
   def group_names(self) -> tuple[str, ...]:
     return self._spec.group_names
 
   def exhausted(self, group: int) -> bool:
-    return self._next_index[group] >= len(self._groups[group])
+    return self._next_index[group] >= self._lengths[group]
 
   def __next__(self) -> PreparedSample:
     """A usable sample from a group drawn by weight among those not yet exhausted."""
@@ -167,17 +181,20 @@ class MixIterator(PositionedStageIterator):
   def _weighted(self) -> PreparedSample:
     spec = self._spec
     while True:
-      active = [not self.exhausted(g) and w > 0 for g, w in enumerate(spec.weights)]
+      active = tuple(not self.exhausted(g) and w > 0 for g, w in enumerate(spec.weights))
       if not any(active):
         raise StopIteration
-      group = draw_group(spec.seed, spec.process_index, self._draws, spec.weights, active)
+      cumulative = self._shares.get(active)
+      if cumulative is None:
+        cumulative = self._shares[active] = cumulative_shares(spec.weights, active).tolist()
+      group = group_at(draw_uniform(spec.seed, spec.process_index, self._draws), cumulative)
       self._draws += 1
       sample = self._usable(group)
       if sample is not None:
         return sample
 
   def _usable(self, group: int) -> PreparedSample | None:
-    bad = collections.Counter()
+    bad = None  # drops since the last usable sample, by reason (rare: made at the first)
     while not self.exhausted(group):
       index = self._next_index[group]
       self._next_index[group] += 1
@@ -191,6 +208,7 @@ class MixIterator(PositionedStageIterator):
         return element
       self._counts.drawn(group)
       self._counts.dropped(group, reason)
+      bad = bad if bad is not None else collections.Counter()
       bad[reason] += 1
       self._limits.check_consecutive(group, bad, element.key.record)
     return None

@@ -26,7 +26,7 @@ from bagel_grain.packing import stats
 from bagel_grain.errors import StateMismatchError
 from bagel_grain.packing.mix import FetcherFactory, MixDataset, MixIterator, MixPosition
 from bagel_grain.packing.prepare import PreparedSample
-from bagel_grain.packing.row import Capacities, RowBuilder
+from bagel_grain.packing.row import Capacities, Usage
 from bagel_grain.packing.stage import PositionedStageIterator
 from bagel_grain.packing.state import entry, sequence, whole
 from bagel_grain.packing.stats import RowCounts
@@ -91,7 +91,7 @@ class PackIterator(PositionedStageIterator):
     super().__init__(mix)
     self._mix = mix
     self._spec = spec
-    self._row = RowBuilder(spec.capacities)  # what the row being filled occupies
+    self._used = Usage()  # what the row being filled occupies
     self._buffer: collections.deque[PreparedSample] = collections.deque()
     self._carried: collections.deque[PreparedSample] = collections.deque()
     self._counts = RowCounts(mix.group_names)
@@ -104,7 +104,7 @@ class PackIterator(PositionedStageIterator):
     return self._stats.record_output_spec(self._own_time(self._next_row))
 
   def _next_row(self) -> tuple[PreparedSample, ...]:
-    self._row.reset()
+    self._used = Usage()
     members: list[PreparedSample] = []
     self._take_carried(members)
     self._take_mandatory(members)
@@ -112,18 +112,18 @@ class PackIterator(PositionedStageIterator):
     if not members:
       raise StopIteration
     groups = [s.key.group for s in members]
-    self._counts.row(groups, self._row.used_tokens, missing=[
+    self._counts.row(groups, self._used.tokens, missing=[
         g for g, m in enumerate(self._spec.mandatory)
         if m and not self._mix.exhausted(g) and g not in groups])
-    self._row.reset()  # the row is the caller's now: an idle shard keeps no pixels alive
     return tuple(members)
 
   def _fits(self, s: PreparedSample) -> bool:
-    return (self._row.used_tokens + s.packed_size <= self._spec.max_num_tokens
-            and self._row.fits(s.layout))
+    return (self._used.tokens + s.packed_size <= self._spec.max_num_tokens
+            and not self._spec.capacities.overflows(self._used + s.usage))
 
   def _add(self, s: PreparedSample, members: list[PreparedSample]) -> None:
-    self._row.add(s.layout)
+    """Puts `s` in the row (only once `_fits` said it does)."""
+    self._used = self._used + s.usage
     members.append(s)
 
   def _take_carried(self, members: list[PreparedSample]) -> None:
@@ -154,8 +154,8 @@ class PackIterator(PositionedStageIterator):
   def _fill(self, members: list[PreparedSample]) -> None:
     """Buffered and drawn samples until the row holds `expected_num_tokens`."""
     spec = self._spec
-    while self._row.used_tokens < spec.expected_num_tokens:
-      from_buffer = bool(self._buffer) and self._row.used_tokens < spec.prefer_buffer_before
+    while self._used.tokens < spec.expected_num_tokens:
+      from_buffer = bool(self._buffer) and self._used.tokens < spec.prefer_buffer_before
       s = self._buffer.popleft() if from_buffer else self._waiting(next, self._mix, None)
       if s is None:  # every group exhausted (finite epochs): drain the buffer
         if not self._buffer:

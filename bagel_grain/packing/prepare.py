@@ -7,12 +7,14 @@ any), so the main process only concatenates layouts into rows.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import grain
 import numpy as np
 
 from bagel_grain.packing.layout import Geometry, SampleLayout, SpecialTokens, draw_sample_choices
 from bagel_grain.packing.layout import layout_sample
+from bagel_grain.packing.row import Usage
 from bagel_grain.drops import Dropped
 from bagel_grain.sample import Sample, SampleKey
 
@@ -28,6 +30,11 @@ class PreparedSample:
   layout: SampleLayout
   image_tokens: int = 0  # tokens of the distinct resized images: the decode work it cost
   notes: tuple[str, ...] = ()
+
+  @functools.cached_property
+  def usage(self) -> Usage:
+    """What it occupies in a row: worked out once, for the drop policy and the packer."""
+    return Usage.of(self.layout)
 
 
 def resized_image_tokens(sample: Sample, *, vit_patch_size: int, vae_downsample: int) -> int:

@@ -41,10 +41,10 @@ import multiprocessing
 import multiprocessing.process
 import os
 import pickle
+import select
 import threading
 import time
 import weakref
-from multiprocessing.connection import wait
 from typing import Any, Callable, Sequence
 
 from bagel_grain import interpreter_exit, storage
@@ -89,6 +89,7 @@ class Fetcher:
                describe: Callable[[int, int], str] | None = None,
                names: Sequence[str] | None = None):
     self._datasets = list(datasets)
+    self._lengths = [len(d) for d in self._datasets]  # a length is a chain of calls: asked once
     self._names = list(names) if names is not None else [
         f"group {g}" for g in range(len(self._datasets))]
     self._depths = list(depths)
@@ -96,6 +97,9 @@ class Fetcher:
     self._describe = describe or (lambda group, index: f"group {group} element {index}")
     self._pid = os.getpid()
     self._pending: dict[tuple[int, int], None] = {}  # wanted, not yet handed out (ordered)
+    # Per group, the last index asked for and the last one wanted ahead of it: asking for
+    # the next index only wants what lies beyond (see get).
+    self._asked = [(-1, -1)] * len(self._datasets)
     self._done: dict[tuple[int, int], Any] = {}
     self._workers: list[Worker] = []
     self._failure: str | None = None
@@ -125,7 +129,7 @@ class Fetcher:
       self._workers = start_workers(multiprocessing.get_context("spawn"), workers)
       readahead.set_share(None)  # this process decodes only stragglers: no read-ahead
       self._payload = payload
-      self._wake_reader, self._wake = multiprocessing.Pipe(duplex=False)
+      self._wake_reader, self._wake = os.pipe()  # a byte in it: look at `_pending` again
       self._pump = threading.Thread(target=self._run_pump, name="bagel-grain-fetch",
                                     daemon=True)
       self._pump.start()
@@ -142,17 +146,26 @@ class Fetcher:
   # -- the packer's side -------------------------------------------------------
 
   def get(self, group: int, index: int) -> Any:
+    """The element, once computed; with workers, the group's next `depths[group]` are
+    wanted too. Asked in index order, a call wants only the elements the previous call
+    did not (those were wanted then, and only the caller's own calls take them); asked
+    for an earlier index (a step put back), all of them again."""
     self._check_owner()
     with self._cond:
       if self._pump is not None:
-        wanted = [self._want(group, index + ahead) for ahead in range(self._depths[group] + 1)]
-        wake = any(wanted) and self._wake_once()
+        wanted = self._want(group, index)
+        last, upto = self._asked[group]
+        ahead_to = index + self._depths[group]
+        for ahead in range(max(index, upto) + 1 if index > last else index + 1, ahead_to + 1):
+          wanted = self._want(group, ahead) or wanted
+        self._asked[group] = (index, ahead_to)
+        wake = wanted and self._wake_once()
       else:  # the one asked for first, then the next ones
         for ahead in range(INLINE_AHEAD + 1):
           self._queue_inline(group, index + ahead, first=ahead == 0)
         wake = False
     if wake:
-      self._wake.send_bytes(b"")
+      os.write(self._wake, b"w")
     return self._take((group, index))
 
   def get_many(self, keys: Sequence[tuple[int, int]]) -> list[Any]:
@@ -163,7 +176,7 @@ class Fetcher:
       wanted = [self._want(*key) for key in keys]
       wake = self._pump is not None and any(wanted) and self._wake_once()
     if wake:
-      self._wake.send_bytes(b"")
+      os.write(self._wake, b"w")
     return [self._take(key) for key in keys]
 
   def put_back(self, group: int, index: int, element: Any) -> None:
@@ -186,7 +199,7 @@ class Fetcher:
     """Adds the element to those pending; True when a worker could take it now (the pump
     has to be woken: else the next result from its worker wakes it)."""
     key = (group, index)
-    if (index >= len(self._datasets[group]) or key in self._done or key in self._pending
+    if (index >= self._lengths[group] or key in self._done or key in self._pending
         or self._assigned(key)):
       return False
     self._pending[key] = None
@@ -200,7 +213,7 @@ class Fetcher:
     if first and key in self._inline_queue:
       self._inline_queue.remove(key)
     if key in self._done or self._assigned(key) or (
-        not first and index >= len(self._datasets[group])):
+        not first and index >= self._lengths[group]):
       return
     if first:
       self._inline_queue.appendleft(key)
@@ -326,12 +339,16 @@ class Fetcher:
         self._dispatch()
         self._check_deadlines()
         watched = [w for w in self._workers if w.jobs or w.stage != "ready"]
-      waiting = ([self._wake_reader] + [w.conn for w in watched]
-                 + [w.process.sentinel for w in watched])
-      ready = wait(waiting, _POLL_S)
-      if self._wake_reader in ready:
-        while self._wake_reader.poll():
-          self._wake_reader.recv_bytes()
+      # A poll object of the moment's descriptors: `connection.wait` builds a selector and
+      # its keys in Python on every call, and the pump makes one call per result.
+      poller = select.poll()
+      poller.register(self._wake_reader, select.POLLIN)
+      for w in watched:
+        poller.register(w.conn.fileno(), select.POLLIN)
+        poller.register(w.process.sentinel, select.POLLIN)
+      ready = {fd for fd, _ in poller.poll(_POLL_S * 1000)}
+      if self._wake_reader in ready:  # a wake or two (see _wake_once): all read at once
+        os.read(self._wake_reader, 4096)
       for w in watched:
         if not self._receive(w, ready):
           return
@@ -340,15 +357,20 @@ class Fetcher:
     """Hands each ready worker the pending elements it owns (`readahead.owner`): a worker
     reads ahead exactly the records it will decode, so each is read by one process. One
     message per worker: its new jobs, and the regions of its slab given back."""
-    for n, w in enumerate(self._workers):
+    count = len(self._workers)
+    room = [JOBS_PER_WORKER - len(w.jobs) if w.stage == "ready" else 0 for w in self._workers]
+    new_jobs: list[list[tuple[int, int]]] = [[] for _ in self._workers]
+    left = sum(room)
+    for key in self._pending if left else ():  # one pass for all the workers
+      n = readahead.owner(key[1], count)
+      if len(new_jobs[n]) < room[n]:
+        new_jobs[n].append(key)
+        left -= 1
+        if not left:
+          break
+    for w, jobs in zip(self._workers, new_jobs):
       if w.stage != "ready":
         continue
-      jobs = []
-      for key in self._pending:
-        if len(w.jobs) + len(jobs) >= JOBS_PER_WORKER:
-          break
-        if readahead.owner(key[1], len(self._workers)) == n:
-          jobs.append(key)
       freed = w.slab.take_freed() if w.slab is not None else []
       if not jobs and not freed:
         continue
@@ -375,9 +397,10 @@ class Fetcher:
       elif w.jobs and now - w.since > self._timeout_s:
         self._fail(self._stalled(w.jobs[0], f"worker process {w.process.pid}"))
 
-  def _receive(self, w: Worker, ready: list) -> bool:
-    """Takes in what `w` sent, or notices its exit; False once the fetcher has failed."""
-    if w.conn in ready:
+  def _receive(self, w: Worker, ready: set[int]) -> bool:
+    """Takes in what `w` sent, or notices its exit (`ready`: the descriptors that are);
+    False once the fetcher has failed."""
+    if w.conn.fileno() in ready:
       try:
         if w.stage != "ready":
           message, *_, held = w.conn.recv()
@@ -462,6 +485,7 @@ class Fetcher:
     self._check_owner()
     with self._cond:
       self._pending.clear()
+      self._asked = [(-1, -1)] * len(self._datasets)
       self._inline_queue.clear()
       self._awaited = _DRAINING
       try:
@@ -491,11 +515,11 @@ class Fetcher:
       self._cond.notify_all()
       self._queued.notify_all()
     if self._pump is not None:
-      self._wake.send_bytes(b"")
+      os.write(self._wake, b"w")
       self._pump.join()
       self._pump = None
-      self._wake.close()
-      self._wake_reader.close()
+      os.close(self._wake)
+      os.close(self._wake_reader)
     workers, self._workers = self._workers, []
     for w in workers:
       try:
@@ -529,8 +553,8 @@ class Fetcher:
       w.conn.close()
     if self._pump is not None:
       self._pump = None
-      self._wake.close()
-      self._wake_reader.close()
+      os.close(self._wake)
+      os.close(self._wake_reader)
 
 
 # Fetchers that may still own threads and processes: a forked child lets go of them.
