@@ -9,7 +9,7 @@ new samples do not overwrite, so both give the same bits.
 from __future__ import annotations
 
 import dataclasses
-from typing import Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 
@@ -132,9 +132,12 @@ def empty_row(caps: Capacities, batch: tuple[int, ...] = ()) -> PackedRow:
 # their values shifted by the count of what the earlier samples hold.
 _SHIFTED_BY = {"split_ids": "splits", "vit_token_index": "tokens",
                "vit_image_ids": "vit_images", "vae_token_index": "tokens"}
-# Written by their own functions: pixels go straight into their slots.
-_OWN_WRITERS = ("vit_patches", "vae_images")
-_CONCATENATED = tuple(name for name in ROW_SPEC if name not in _OWN_WRITERS
+# Written by their own functions: pixels go straight into their slots, each image one
+# `copy(destination, source)` (by default `destination[...] = source`; a batch whose
+# pixels lie in shared memory has the workers copy them, `workers/arena.py`).
+PIXELS = ("vit_patches", "vae_images")
+Copy = Callable[[np.ndarray, np.ndarray], None]
+_CONCATENATED = tuple(name for name in ROW_SPEC if name not in PIXELS
                       and name in SampleLayout.__dataclass_fields__)
 
 
@@ -162,14 +165,19 @@ class Extent:
 EMPTY = Extent()  # an empty row's: nothing written
 
 
+def _assign(destination: np.ndarray, source: np.ndarray) -> None:
+  destination[...] = source
+
+
 def write_row(row: PackedRow, layouts: Sequence[SampleLayout], *,
-              previous: Extent = EMPTY) -> Extent:
+              previous: Extent = EMPTY, copy: Copy = _assign) -> Extent:
   """Writes the samples' layouts, in order, into `row` (or a view of a batch row) that holds
   an empty row, or a row that wrote `previous`.
 
   Each concatenated field is one concatenation and one slice assignment. The result
-  is the same, bit for bit, whatever `previous` wrote. Returns what it wrote: the
-  `previous` of the next row written there.
+  is the same, bit for bit, whatever `previous` wrote. Each image's pixels go through
+  `copy` (which may leave them to a worker: they are in place once it says so).
+  Returns what it wrote: the `previous` of the next row written there.
   """
   extent = Extent.of(layouts)
   _clear(row, previous, extent)
@@ -183,8 +191,8 @@ def write_row(row: PackedRow, layouts: Sequence[SampleLayout], *,
     array[:used[ROW_SPEC[name].symbols[0]]] = concat(parts, array.dtype)
   lens = [x.num_tokens for x in layouts]
   row["segment_ids"][:used["L"]] = np.repeat(np.arange(1, len(layouts) + 1, dtype=np.int32), lens)
-  _write_vit_patches(row, layouts)
-  _write_vae_images(row, layouts)
+  _write_vit_patches(row, layouts, copy)
+  _write_vae_images(row, layouts, copy)
   row["num_tokens"][...] = used["L"]
   row["num_vit_tokens"][...] = used["V"]
   row["num_vae_tokens"][...] = used["T"]
@@ -222,17 +230,18 @@ def _shifts(layouts: Sequence[SampleLayout]) -> dict[str, np.ndarray]:
           "vit_images": before([int(x.vit_image_ids.max(initial=0)) for x in layouts])}
 
 
-def _write_vit_patches(row: PackedRow, layouts: Sequence[SampleLayout]) -> None:
+def _write_vit_patches(row: PackedRow, layouts: Sequence[SampleLayout], copy: Copy) -> None:
   start = 0
   for x in layouts:  # straight into the slots: the largest field, copied once
-    row["vit_patches"][start:start + len(x.vit_patches)] = x.vit_patches
+    if len(x.vit_patches):
+      copy(row["vit_patches"][start:start + len(x.vit_patches)], x.vit_patches)
     start += len(x.vit_patches)
 
 
-def _write_vae_images(row: PackedRow, layouts: Sequence[SampleLayout]) -> None:
+def _write_vae_images(row: PackedRow, layouts: Sequence[SampleLayout], copy: Copy) -> None:
   images = [im for x in layouts for im in x.vae_images]
   for i, im in enumerate(images):
-    row["vae_images"][i, :im.shape[0], :im.shape[1]] = im
+    copy(row["vae_images"][i, :im.shape[0], :im.shape[1]], im)
   if images:
     row["vae_image_hw"][:len(images)] = [im.shape[:2] for im in images]
 
