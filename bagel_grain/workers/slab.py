@@ -134,15 +134,15 @@ class WorkerSlab:
     """Frees the regions; the whole pages of them beyond the warm bytes go back to the kernel
     (MADV_REMOVE: gone from the main process's mapping too)."""
     for start in starts:
-      with self._lock:
+      with self._lock:  # its pages gone before the compute thread can place anything there
         end = start + self._regions.free(start)
-      first = -(-max(start, self._warm) // mmap.PAGESIZE) * mmap.PAGESIZE
-      last = end // mmap.PAGESIZE * mmap.PAGESIZE
-      if last > first and hasattr(mmap, "MADV_REMOVE"):
-        try:
-          self._map.madvise(mmap.MADV_REMOVE, first, last - first)
-        except OSError:
-          pass  # kept resident: only memory, never the data
+        first = -(-max(start, self._warm) // mmap.PAGESIZE) * mmap.PAGESIZE
+        last = end // mmap.PAGESIZE * mmap.PAGESIZE
+        if last > first and hasattr(mmap, "MADV_REMOVE"):
+          try:
+            self._map.madvise(mmap.MADV_REMOVE, first, last - first)
+          except OSError:
+            pass  # kept resident: only memory, never the data
 
 
 class MainSlab:
