@@ -165,6 +165,9 @@ class Extent:
 EMPTY = Extent()  # an empty row's: nothing written
 
 
+_ZERO = np.uint8(0)  # the pixels' fill (ROW_SPEC)
+
+
 def _assign(destination: np.ndarray, source: np.ndarray) -> None:
   destination[...] = source
 
@@ -180,7 +183,7 @@ def write_row(row: PackedRow, layouts: Sequence[SampleLayout], *,
   Returns what it wrote: the `previous` of the next row written there.
   """
   extent = Extent.of(layouts)
-  _clear(row, previous, extent)
+  _clear(row, previous, extent, copy)
   used = dict(extent.used)
   shifts = _shifts(layouts)
   for name in _CONCATENATED:
@@ -200,8 +203,9 @@ def write_row(row: PackedRow, layouts: Sequence[SampleLayout], *,
   return extent
 
 
-def _clear(row: PackedRow, previous: Extent, extent: Extent) -> None:
-  """Resets to its fill value what `previous` wrote and `extent` will not overwrite."""
+def _clear(row: PackedRow, previous: Extent, extent: Extent, copy: Copy) -> None:
+  """Resets to its fill value what `previous` wrote and `extent` will not overwrite (the
+  pixels through `copy`, as many bytes as an image's)."""
   if previous == EMPTY:
     return
   before, after = dict(previous.used), dict(extent.used)
@@ -210,15 +214,17 @@ def _clear(row: PackedRow, previous: Extent, extent: Extent) -> None:
     if not field.symbols or name == "vae_images":
       continue  # the counts are always written; the images below, slot by slot
     old, new = before[field.symbols[0]], after[field.symbols[0]]
-    if old > new:
+    if old > new and name in PIXELS:
+      copy(row[name][new:old], _ZERO)
+    elif old > new:
       row[name][new:old] = field.fill_for({"L": row["text_ids"].shape[0]})
   images = row["vae_images"]
   for slot, (old_h, old_w) in enumerate(previous.vae_hw):
     new_h, new_w = extent.vae_hw[slot] if slot < len(extent.vae_hw) else (0, 0)
     if old_h > new_h:  # the old rows below the new image
-      images[slot, new_h:old_h, :old_w] = 0
-    if old_w > new_w:  # the old columns right of the new image, above its bottom
-      images[slot, :min(old_h, new_h), new_w:old_w] = 0
+      copy(images[slot, new_h:old_h, :old_w], _ZERO)
+    if old_w > new_w and new_h:  # the old columns right of the new image, above its bottom
+      copy(images[slot, :min(old_h, new_h), new_w:old_w], _ZERO)
 
 
 def _shifts(layouts: Sequence[SampleLayout]) -> dict[str, np.ndarray]:

@@ -127,10 +127,17 @@ class Copies:
     self._arena, self._slot, self._fetcher = arena, slot, fetcher
     self._by_worker: dict[int, list[tuple[Where, Where]]] = {}
     self._sources: list[np.ndarray] = []  # their slab regions stay taken until acknowledged
+    self._fills: list[tuple[Where, int, np.ndarray, Any]] = []
 
   def copy(self, destination: np.ndarray, source: np.ndarray) -> None:
-    """`destination[...] = source`, here or by the worker whose slab holds `source`."""
+    """`destination[...] = source`, here or by the worker whose slab holds `source`; a
+    scalar `source` (a fill) by one of the workers that copy this batch, if any."""
+    if not destination.size:
+      return
     to = self._arena.where(destination)
+    if to is not None and not isinstance(source, np.ndarray):
+      self._fills.append((to, source.item(), destination, source))
+      return
     found = self._fetcher.slab_of(source) if to is not None else None
     if found is None:
       destination[...] = source
@@ -142,8 +149,14 @@ class Copies:
   def finish(self) -> None:
     """Sends each worker its copies and waits until all are done (a WorkerError if a worker
     dies, fails or stalls; the slot is then never used again)."""
-    if not self._by_worker:
+    if not self._by_worker:  # no worker to ask: the fills are done here
+      for _, _, destination, value in self._fills:
+        destination[...] = value
+      self._fills.clear()
       return
+    first = next(iter(self._by_worker.values()))
+    first[:0] = [(to, value) for to, value, _, _ in self._fills]
+    self._fills.clear()
     self._arena.copying(self._slot, True)
     self._fetcher.copy_and_wait(self._arena, self._by_worker)
     self._arena.copying(self._slot, False)

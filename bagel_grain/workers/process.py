@@ -195,12 +195,17 @@ def _compute(conn: Connection, datasets, slab: slabs.WorkerSlab | None, lock: th
 
 def _copy(copies, slab: slabs.WorkerSlab | None, arena: mmap.mmap | None) -> str | None:
   """Copies arrays of the slab into the arena: each `(destination, source)` an array's
-  `(offset, shape, strides, dtype)` in its mapping (numpy checks that it lies inside).
-  None when done, else what failed (the main process fails the stream with it)."""
+  `(offset, shape, strides, dtype)` in its mapping (numpy checks that it lies inside), or
+  a number to fill the destination with. None when done, else what failed (the main
+  process fails the stream with it)."""
   try:
-    for (d_off, d_shape, d_strides, d_type), (s_off, s_shape, s_strides, s_type) in copies:
+    for (d_off, d_shape, d_strides, d_type), source in copies:
       destination = np.ndarray(d_shape, d_type, arena, d_off, d_strides)
-      destination[...] = np.ndarray(s_shape, s_type, slab.memory, s_off, s_strides)
+      if isinstance(source, (int, float)):
+        destination[...] = source
+      else:
+        s_off, s_shape, s_strides, s_type = source
+        destination[...] = np.ndarray(s_shape, s_type, slab.memory, s_off, s_strides)
     return None
   except Exception:  # pylint: disable=broad-except  # reported by the main process
     return traceback.format_exc()
