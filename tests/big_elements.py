@@ -25,3 +25,13 @@ class Pixels:
       time.sleep(self.slow_here_s)
     return {"pixels": np.full(self.nbytes, index % 251, np.uint8),
             "index": np.array([index], np.int32)}
+
+
+class Unpicklable:
+  """Element i: a lambda, which a worker computes but cannot send."""
+
+  def __len__(self) -> int:
+    return 40
+
+  def __getitem__(self, index: int):
+    return lambda: index

@@ -150,3 +150,17 @@ def test_two_workers_write_the_pixels_and_the_batches_are_the_same(demo_config, 
   assert none is None
   assert shared is not None and shared.delegated > 0 and shared.lost == 0
   assert_same_elements(got, want)
+
+
+def test_a_result_that_does_not_pickle_ends_its_worker_not_just_its_compute_thread():
+  # The worker computes on a thread of its own: a failure there must still end the process
+  # (the pump reports its exit at once), not leave the element to time out.
+  from big_elements import Unpicklable  # pylint: disable=import-outside-toplevel
+  with deadline(120):
+    fetcher = started(Fetcher([Unpicklable()], workers=1, depths=[0], timeout_s=600))
+    try:
+      with pytest.raises(WorkerError, match=r"exited \(exit code 1\) with group 0 element"):
+        for i in range(40):  # (the main process computes any no worker took yet)
+          fetcher.get(0, i)
+    finally:
+      fetcher.close()

@@ -190,7 +190,10 @@ def _compute(conn: Connection, datasets, slab: slabs.WorkerSlab | None, lock: th
           status, value = "error", traceback.format_exc()
       send(conn, status, job, value, spent, slab, lock)
   except (EOFError, OSError):
-    return  # the main thread sees it too, and ends the process
+    os._exit(0)  # the main process closed our socket or went away
+  except BaseException:  # pylint: disable=broad-except  # e.g. a result that does not pickle
+    traceback.print_exc()
+    os._exit(1)  # the process ends, as when one thread did everything: the pump reports it
 
 
 def _copy(copies, slab: slabs.WorkerSlab | None, arena: mmap.mmap | None) -> str | None:
