@@ -28,10 +28,16 @@ class Pixels:
 
 
 class Unpicklable:
-  """Element i: a lambda, which a worker computes but cannot send."""
+  """Element i: a lambda, which a worker computes but cannot send; computed in the process
+  that made it, it takes 0.2 s (so that a worker computes one)."""
+
+  def __init__(self):
+    self.maker = os.getpid()
 
   def __len__(self) -> int:
     return 40
 
   def __getitem__(self, index: int):
+    if os.getpid() == self.maker:
+      time.sleep(0.2)
     return lambda: index

@@ -40,7 +40,7 @@ from typing import Any
 
 import numpy as np
 
-from bagel_grain import c_heap, held_memory, storage
+from bagel_grain import c_heap, held_memory, interpreter_exit, storage
 from bagel_grain.workers import slab as slabs
 from bagel_grain.sources import readahead
 from bagel_grain.errors import BagelGrainError, StorageUnavailableError
@@ -181,7 +181,8 @@ def _compute(conn: Connection, datasets, slab: slabs.WorkerSlab | None, lock: th
     while True:
       job = jobs.get()
       group, index = job
-      with storage.element_scope() as spent:
+      # (a daemon thread: the exit waits for it to leave pyarrow, see interpreter_exit)
+      with storage.element_scope() as spent, interpreter_exit.working():
         try:
           status, value = "ok", datasets[group][index]
         except StorageUnavailableError as e:  # the main process raises it; a retry may pass
