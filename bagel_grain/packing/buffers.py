@@ -83,13 +83,15 @@ class BatchBuffers:
     self._capacities, self._batch_size = capacities, batch_size
     self._pool: collections.deque[BatchBuffer] = collections.deque(maxlen=keep)
     self.reused = self.allocated = 0
-    self.arena = None  # see share()
+    self.arena: Arena | None = None  # see share()
+    self._shared = False
 
   def share(self, slots: int | None = None):
     """From now on, fresh buffers' pixel arrays go in slots of a shared arena (`slots`, by
     default the pool's size and two the caller may hold), while one is free. Returns the
-    arena, or None where shared memory cannot be had."""
-    if self.arena is None:
+    arena, or None where shared memory cannot be had (asked once)."""
+    if not self._shared:
+      self._shared = True
       shapes = empty_row(self._capacities, (self._batch_size,))
       self.arena = Arena.create({name: (shapes[name].shape, shapes[name].dtype)
                                  for name in PIXELS},
