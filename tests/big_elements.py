@@ -25,3 +25,19 @@ class Pixels:
       time.sleep(self.slow_here_s)
     return {"pixels": np.full(self.nbytes, index % 251, np.uint8),
             "index": np.array([index], np.int32)}
+
+
+class Unpicklable:
+  """Element i: a lambda, which a worker computes but cannot send; computed in the process
+  that made it, it takes 0.2 s (so that a worker computes one)."""
+
+  def __init__(self):
+    self.maker = os.getpid()
+
+  def __len__(self) -> int:
+    return 40
+
+  def __getitem__(self, index: int):
+    if os.getpid() == self.maker:
+      time.sleep(0.2)
+    return lambda: index

@@ -20,6 +20,7 @@ import pytest
 from big_elements import Pixels
 from deadline import deadline
 from bagel_grain.workers import Fetcher, WorkerError
+from bagel_grain.workers import arena
 from bagel_grain.workers import slab as slabs
 
 SLAB_NAME = "memfd:bagel-grain-slab"
@@ -34,16 +35,21 @@ def owner(array) -> object:
   return held
 
 
-def slabs_held(pid: int | str = "self") -> int:
+def slabs_held(pid: int | str = "self", name: str = SLAB_NAME) -> int:
   """Mappings and descriptors of slabs in a process (an mmap keeps a descriptor of its own)."""
-  maps = Path(f"/proc/{pid}/maps").read_text().count(SLAB_NAME)
+  maps = Path(f"/proc/{pid}/maps").read_text().count(name)
   fds = 0
   for fd in os.listdir(f"/proc/{pid}/fd"):
     try:
-      fds += SLAB_NAME in os.readlink(f"/proc/{pid}/fd/{fd}")
+      fds += name in os.readlink(f"/proc/{pid}/fd/{fd}")
     except OSError:
       pass
   return maps + fds
+
+
+def arenas_held(pid: int | str = "self") -> int:
+  """Mappings and descriptors of batch arenas (`workers/arena.py`) in a process."""
+  return slabs_held(pid, "memfd:" + arena.NAME)
 
 
 def started(fetcher: Fetcher) -> Fetcher:
@@ -210,14 +216,25 @@ def test_the_main_process_killed_leaves_no_slab_and_no_worker_behind(tmp_path):
   script = tmp_path / "main_killed.py"
   script.write_text(textwrap.dedent("""
       import json, sys, time
+      import numpy as np
       from big_elements import Pixels
       from bagel_grain.workers import Fetcher
+      from bagel_grain.workers.arena import Arena
 
       if __name__ == "__main__":
         fetcher = Fetcher([Pixels(100, 1 << 20)], workers=2, depths=[4])
         while not all("at_ready" in w for w in fetcher.worker_memory()):
           time.sleep(0.05)
         held = [fetcher.get(0, i) for i in range(6)]
+        # each worker copies an element of its slab into a batch arena: both map it
+        arena = Arena.create({"pixels": ((6, 1 << 20), np.uint8)}, 1)
+        _, arrays = arena.take()
+        copies = {}
+        for i, element in enumerate(held):
+          found = fetcher.slab_of(element["pixels"])
+          if found is not None:
+            copies.setdefault(found[0], []).append((arena.where(arrays["pixels"][i]), found[1]))
+        fetcher.copy_and_wait(arena, copies)
         print(json.dumps([w["pid"] for w in fetcher.worker_memory()]), flush=True)
         sys.stdin.read()  # until killed
       """))
@@ -231,6 +248,7 @@ def test_the_main_process_killed_leaves_no_slab_and_no_worker_behind(tmp_path):
     workers = [psutil.Process(pid) for pid in pids]
     assert all(slabs_held(p.pid) >= 1 for p in workers)
     assert slabs_held(child.pid) == 2 * 2
+    assert any(arenas_held(p.pid) >= 1 for p in workers) and arenas_held(child.pid) >= 2
     child.send_signal(signal.SIGKILL)
     child.wait(10)
     gone, alive = psutil.wait_procs(workers, timeout=30)  # they see their socket close

@@ -36,6 +36,7 @@ from bagel_grain.packing.shards import (InterleavePosition, ShardInterleaveDatas
 from bagel_grain.packing.stage import StageIterator, interrupts_held
 from bagel_grain.sources.manifest import Manifest
 from bagel_grain.sources.records import EraStart
+from bagel_grain.workers.arena import Copies
 
 SampleKeys = tuple[tuple[str, int, int, str], ...]
 # The rows again on other record sets, and where each later set starts per shard (pipeline).
@@ -140,7 +141,12 @@ class BatchIterator(StageIterator):
 
   def _next_batch(self) -> PackedBatch:
     began = time.thread_time()
+    fetcher = getattr(self._rows, "fetcher", None)
+    if getattr(fetcher, "workers", 0):  # pixels copied by the workers that hold them
+      self._buffers.share()
     buffer = self._buffers.take()  # dropped, not reused, if this raises before hand_out
+    copies = (Copies(self._buffers.arena, buffer.slot, fetcher)
+              if buffer.slot is not None and getattr(fetcher, "workers", 0) else None)
     self._cpu["hand_off"] += time.thread_time() - began
     keys = []
     for b in range(self._batch_size):
@@ -149,10 +155,14 @@ class BatchIterator(StageIterator):
         if b == 0:
           raise StopIteration
         break  # a finite stream's last batch: the remaining rows are empty
-      self._write(buffer, b, [s.layout for s in members])
+      self._write(buffer, b, [s.layout for s in members], copies)
       keys.append(self._keys(members))
     for b in range(len(keys), self._batch_size):
-      self._write(buffer, b, [])
+      self._write(buffer, b, [], copies)
+    if copies is not None:
+      began = time.thread_time()
+      copies.finish()  # the workers' copies sent, each acknowledged
+      self._cpu["row_writing"] += time.thread_time() - began
     began = time.thread_time()
     batch = self._buffers.hand_out(buffer)
     batch["sample_keys"] = keys + [()] * (self._batch_size - len(keys))
@@ -164,11 +174,18 @@ class BatchIterator(StageIterator):
     """Rows per batch."""
     return self._batch_size
 
-  def _write(self, buffer, b: int, layouts) -> None:
+  def _write(self, buffer, b: int, layouts, copies: Copies | None) -> None:
     began = time.thread_time()
     buffer.extents[b] = write_row(batch_row(buffer.arrays, b), layouts,
-                                  previous=buffer.extents[b])
+                                  previous=buffer.extents[b],
+                                  **({} if copies is None else {"copy": copies.copy}))
     self._cpu["row_writing"] += time.thread_time() - began
+
+  def close(self) -> None:
+    """Closes the stages (their workers, threads) and lets go of the batch buffers."""
+    super().close()
+    with self._step:
+      self._buffers.close()
 
   def cpu_seconds(self) -> dict[str, float]:
     """CPU seconds of the calling thread so far in writing rows ("row_writing") and in taking

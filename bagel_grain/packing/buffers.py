@@ -19,6 +19,10 @@ The contract (the first rule: nothing corrupted silently):
   array handed out, or holding a batch only through a weak reference or a raw
   address, breaks the contract.
 - A buffer whose writing failed part-way (an error, a Ctrl-C) is dropped, not reused.
+
+With worker processes, a buffer's pixel arrays live in a slot of a shared arena
+(`workers/arena.py`: the workers copy their samples' pixels into them) while a slot is
+free, else in this process's memory; the contract is the same for both.
 """
 
 from __future__ import annotations
@@ -30,7 +34,8 @@ import sys
 import numpy as np
 
 from bagel_grain.packed_row import PackedRow
-from bagel_grain.packing.row import EMPTY, Capacities, Extent, empty_row
+from bagel_grain.packing.row import EMPTY, PIXELS, Capacities, Extent, empty_row
+from bagel_grain.workers.arena import Arena
 
 # The pool keeps the buffers of the last few batches: one the caller still holds while
 # it asks for the next, one or two in a prefetch queue, and the one being written.
@@ -56,6 +61,7 @@ class BatchBuffer:
 
   arrays: PackedRow
   extents: list[Extent]
+  slot: int | None = None  # its slot of the pool's arena (its pixel arrays), if any
 
   def released(self) -> bool:
     """Whether nothing outside the pool references any of the arrays (or a view of one)."""
@@ -77,6 +83,20 @@ class BatchBuffers:
     self._capacities, self._batch_size = capacities, batch_size
     self._pool: collections.deque[BatchBuffer] = collections.deque(maxlen=keep)
     self.reused = self.allocated = 0
+    self.arena: Arena | None = None  # see share()
+    self._shared = False
+
+  def share(self, slots: int | None = None):
+    """From now on, fresh buffers' pixel arrays go in slots of a shared arena (`slots`, by
+    default the pool's size and two the caller may hold), while one is free. Returns the
+    arena, or None where shared memory cannot be had (asked once)."""
+    if not self._shared:
+      self._shared = True
+      shapes = empty_row(self._capacities, (self._batch_size,))
+      self.arena = Arena.create({name: (shapes[name].shape, shapes[name].dtype)
+                                 for name in PIXELS},
+                                (self._pool.maxlen or KEEP) + 2 if slots is None else slots)
+    return self.arena
 
   def take(self) -> BatchBuffer:
     """A buffer to write the next batch into, out of the pool until handed out."""
@@ -88,8 +108,13 @@ class BatchBuffers:
         self.reused += 1
         return buffer
     self.allocated += 1
-    return BatchBuffer(empty_row(self._capacities, (self._batch_size,)),
-                       [EMPTY] * self._batch_size)
+    arrays = empty_row(self._capacities, (self._batch_size,))
+    taken = self.arena.take() if self.arena is not None else None
+    if taken is None:
+      return BatchBuffer(arrays, [EMPTY] * self._batch_size)
+    slot, pixels = taken
+    arrays.update(pixels)
+    return BatchBuffer(arrays, [EMPTY] * self._batch_size, slot)
 
   def hand_out(self, buffer: BatchBuffer) -> dict:
     """The batch's dict of read-only arrays; the buffer joins the pool (evicting the oldest,
@@ -98,6 +123,11 @@ class BatchBuffers:
       array.flags.writeable = False
     self._pool.append(buffer)
     return dict(buffer.arrays)
+
+  def close(self) -> None:
+    """Lets go of the pool and the arena (the batches the caller holds keep their memory)."""
+    self._pool.clear()
+    self.arena = None
 
   def stats(self) -> dict[str, int]:
     """Buffers pooled and their bytes, how many are held outside; batches written into a

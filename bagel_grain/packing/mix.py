@@ -167,6 +167,11 @@ class MixIterator(PositionedStageIterator):
   def group_names(self) -> tuple[str, ...]:
     return self._spec.group_names
 
+  @property
+  def fetcher(self) -> ElementFetcher:
+    """What the groups are read through (the batching stage has its workers copy pixels)."""
+    return self._fetcher
+
   def exhausted(self, group: int) -> bool:
     return self._next_index[group] >= self._lengths[group]
 

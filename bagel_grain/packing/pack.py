@@ -100,6 +100,11 @@ class PackIterator(PositionedStageIterator):
   def group_names(self) -> tuple[str, ...]:
     return self._mix.group_names
 
+  @property
+  def fetcher(self):
+    """The mixing stage's fetcher."""
+    return self._mix.fetcher
+
   def __next__(self) -> tuple[PreparedSample, ...]:
     return self._stats.record_output_spec(self._own_time(self._next_row))
 

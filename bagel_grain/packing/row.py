@@ -9,7 +9,7 @@ new samples do not overwrite, so both give the same bits.
 from __future__ import annotations
 
 import dataclasses
-from typing import Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 
@@ -132,9 +132,12 @@ def empty_row(caps: Capacities, batch: tuple[int, ...] = ()) -> PackedRow:
 # their values shifted by the count of what the earlier samples hold.
 _SHIFTED_BY = {"split_ids": "splits", "vit_token_index": "tokens",
                "vit_image_ids": "vit_images", "vae_token_index": "tokens"}
-# Written by their own functions: pixels go straight into their slots.
-_OWN_WRITERS = ("vit_patches", "vae_images")
-_CONCATENATED = tuple(name for name in ROW_SPEC if name not in _OWN_WRITERS
+# Written by their own functions: pixels go straight into their slots, each image one
+# `copy(destination, source)` (by default `destination[...] = source`; a batch whose
+# pixels lie in shared memory has the workers copy them, `workers/arena.py`).
+PIXELS = ("vit_patches", "vae_images")
+Copy = Callable[[np.ndarray, np.ndarray], None]
+_CONCATENATED = tuple(name for name in ROW_SPEC if name not in PIXELS
                       and name in SampleLayout.__dataclass_fields__)
 
 
@@ -162,17 +165,25 @@ class Extent:
 EMPTY = Extent()  # an empty row's: nothing written
 
 
+_ZERO = np.uint8(0)  # the pixels' fill (ROW_SPEC)
+
+
+def _assign(destination: np.ndarray, source: np.ndarray) -> None:
+  destination[...] = source
+
+
 def write_row(row: PackedRow, layouts: Sequence[SampleLayout], *,
-              previous: Extent = EMPTY) -> Extent:
+              previous: Extent = EMPTY, copy: Copy = _assign) -> Extent:
   """Writes the samples' layouts, in order, into `row` (or a view of a batch row) that holds
   an empty row, or a row that wrote `previous`.
 
   Each concatenated field is one concatenation and one slice assignment. The result
-  is the same, bit for bit, whatever `previous` wrote. Returns what it wrote: the
-  `previous` of the next row written there.
+  is the same, bit for bit, whatever `previous` wrote. Each image's pixels go through
+  `copy` (which may leave them to a worker: they are in place once it says so).
+  Returns what it wrote: the `previous` of the next row written there.
   """
   extent = Extent.of(layouts)
-  _clear(row, previous, extent)
+  _clear(row, previous, extent, copy)
   used = dict(extent.used)
   shifts = _shifts(layouts)
   for name in _CONCATENATED:
@@ -183,8 +194,8 @@ def write_row(row: PackedRow, layouts: Sequence[SampleLayout], *,
     array[:used[ROW_SPEC[name].symbols[0]]] = concat(parts, array.dtype)
   lens = [x.num_tokens for x in layouts]
   row["segment_ids"][:used["L"]] = np.repeat(np.arange(1, len(layouts) + 1, dtype=np.int32), lens)
-  _write_vit_patches(row, layouts)
-  _write_vae_images(row, layouts)
+  _write_vit_patches(row, layouts, copy)
+  _write_vae_images(row, layouts, copy)
   row["num_tokens"][...] = used["L"]
   row["num_vit_tokens"][...] = used["V"]
   row["num_vae_tokens"][...] = used["T"]
@@ -192,8 +203,9 @@ def write_row(row: PackedRow, layouts: Sequence[SampleLayout], *,
   return extent
 
 
-def _clear(row: PackedRow, previous: Extent, extent: Extent) -> None:
-  """Resets to its fill value what `previous` wrote and `extent` will not overwrite."""
+def _clear(row: PackedRow, previous: Extent, extent: Extent, copy: Copy) -> None:
+  """Resets to its fill value what `previous` wrote and `extent` will not overwrite (the
+  pixels through `copy`, as many bytes as an image's)."""
   if previous == EMPTY:
     return
   before, after = dict(previous.used), dict(extent.used)
@@ -202,15 +214,17 @@ def _clear(row: PackedRow, previous: Extent, extent: Extent) -> None:
     if not field.symbols or name == "vae_images":
       continue  # the counts are always written; the images below, slot by slot
     old, new = before[field.symbols[0]], after[field.symbols[0]]
-    if old > new:
+    if old > new and name in PIXELS:
+      copy(row[name][new:old], _ZERO)
+    elif old > new:
       row[name][new:old] = field.fill_for({"L": row["text_ids"].shape[0]})
   images = row["vae_images"]
   for slot, (old_h, old_w) in enumerate(previous.vae_hw):
     new_h, new_w = extent.vae_hw[slot] if slot < len(extent.vae_hw) else (0, 0)
     if old_h > new_h:  # the old rows below the new image
-      images[slot, new_h:old_h, :old_w] = 0
-    if old_w > new_w:  # the old columns right of the new image, above its bottom
-      images[slot, :min(old_h, new_h), new_w:old_w] = 0
+      copy(images[slot, new_h:old_h, :old_w], _ZERO)
+    if old_w > new_w and new_h:  # the old columns right of the new image, above its bottom
+      copy(images[slot, :min(old_h, new_h), new_w:old_w], _ZERO)
 
 
 def _shifts(layouts: Sequence[SampleLayout]) -> dict[str, np.ndarray]:
@@ -222,17 +236,18 @@ def _shifts(layouts: Sequence[SampleLayout]) -> dict[str, np.ndarray]:
           "vit_images": before([int(x.vit_image_ids.max(initial=0)) for x in layouts])}
 
 
-def _write_vit_patches(row: PackedRow, layouts: Sequence[SampleLayout]) -> None:
+def _write_vit_patches(row: PackedRow, layouts: Sequence[SampleLayout], copy: Copy) -> None:
   start = 0
   for x in layouts:  # straight into the slots: the largest field, copied once
-    row["vit_patches"][start:start + len(x.vit_patches)] = x.vit_patches
+    if len(x.vit_patches):
+      copy(row["vit_patches"][start:start + len(x.vit_patches)], x.vit_patches)
     start += len(x.vit_patches)
 
 
-def _write_vae_images(row: PackedRow, layouts: Sequence[SampleLayout]) -> None:
+def _write_vae_images(row: PackedRow, layouts: Sequence[SampleLayout], copy: Copy) -> None:
   images = [im for x in layouts for im in x.vae_images]
   for i, im in enumerate(images):
-    row["vae_images"][i, :im.shape[0], :im.shape[1]] = im
+    copy(row["vae_images"][i, :im.shape[0], :im.shape[1]], im)
   if images:
     row["vae_image_hw"][:len(images)] = [im.shape[:2] for im in images]
 

@@ -100,6 +100,7 @@ class ShardInterleaveIterator(PositionedStageIterator):
     shared = fetcher([g for shard in shards.values() for g in shard.mixed.groups])
     # Closes the fetcher at close(), or at interpreter exit while the modules still work.
     self._close_fetcher = weakref.finalize(self, shared.close)
+    self.fetcher = shared  # the batching stage has its workers copy pixels
     self._packers: dict[int, PackIterator] = {}
     offset = 0
     for s, shard in shards.items():

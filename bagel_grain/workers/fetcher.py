@@ -39,6 +39,7 @@ from __future__ import annotations
 import collections
 import multiprocessing
 import multiprocessing.process
+import multiprocessing.reduction
 import os
 import pickle
 import select
@@ -118,6 +119,7 @@ class Fetcher:
     # Elements computed in this process, and the CPU seconds they took (for reports).
     self.inline_elements, self.inline_cpu_s = 0, 0.0
     self._pump: threading.Thread | None = None
+    self._copy_token = 0  # the last batch's copies sent (copy_and_wait)
     if workers > 0:
       try:
         payload = pickle.dumps(self._datasets, protocol=pickle.HIGHEST_PROTOCOL)
@@ -137,6 +139,11 @@ class Fetcher:
                                     daemon=True)
     self._inline.start()
     _LIVE.add(self)
+
+  @property
+  def workers(self) -> int:
+    """How many worker processes it runs (0: everything in this process)."""
+    return len(self._workers)
 
   def worker_memory(self) -> list[dict[str, Any]]:
     """Per worker, its "pid" and what it held (`held_memory.snapshot()`) after its imports
@@ -281,6 +288,46 @@ class Fetcher:
             "object store that stopped answering) or a decode that never ends. Fix the storage, "
             "or raise `element_timeout_s` if elements this slow are expected.")
 
+  # -- the batch's copies (workers/arena.py) ------------------------------------
+
+  def slab_of(self, array: Any) -> tuple[int, tuple] | None:
+    """(the worker, where in its slab) for an array that lies in a worker's slab, else None."""
+    for n, w in enumerate(self._workers):
+      at = w.slab.where(array) if w.slab is not None else None
+      if at is not None:
+        return n, at
+    return None
+
+  def copy_and_wait(self, arena: Any, copies: dict[int, list]) -> None:
+    """Sends each worker its copies into `arena` (and the arena, the first time), then waits
+    until every one is acknowledged: a WorkerError if the fetcher fails meanwhile (a worker
+    that dies, fails a copy, or takes longer than element_timeout_s)."""
+    self._check_owner()
+    with self._cond:
+      self._check()
+      self._copy_token += 1
+      token = self._copy_token
+      for n, items in copies.items():
+        w = self._workers[n]
+        try:
+          if w.arena != arena.ident:
+            w.conn.send(("arena", arena.size))
+            multiprocessing.reduction.send_handle(w.conn, arena.fd, w.process.pid)
+            w.arena = arena.ident
+          w.conn.send(("copy", token, items))
+        except OSError:
+          self._fail(f"{w.describe_exit()} before it copied a batch's pixels")
+          self._check()
+        w.copies[token] = time.monotonic()
+      wake = self._wake_once()
+    if wake:  # the pump watches a worker's socket only while it owes something
+      os.write(self._wake, b"w")
+    with self._cond:
+      while any(token in w.copies for w in self._workers):
+        self._check()
+        self._cond.wait(_POLL_S)
+      self._check()
+
   # -- the inline thread -------------------------------------------------------
 
   def _run_inline(self) -> None:
@@ -338,7 +385,7 @@ class Fetcher:
         self._wake_pending = False  # what was wanted until now is dispatched below
         self._dispatch()
         self._check_deadlines()
-        watched = [w for w in self._workers if w.jobs or w.stage != "ready"]
+        watched = [w for w in self._workers if w.jobs or w.copies or w.stage != "ready"]
       # A poll object of the moment's descriptors: `connection.wait` builds a selector and
       # its keys in Python on every call, and the pump makes one call per result.
       poller = select.poll()
@@ -375,7 +422,7 @@ class Fetcher:
       if not jobs and not freed:
         continue
       try:
-        w.conn.send((jobs, freed))
+        w.conn.send(("work", jobs, freed))
       except OSError:  # the worker is gone
         if jobs:
           self._fail(f"{w.describe_exit()} before it was given work")
@@ -394,6 +441,9 @@ class Fetcher:
       if w.stage != "ready" and now - w.since > start_timeout:
         self._fail(f"worker process {w.process.pid} did not finish starting within "
                    f"{start_timeout:g} s (stage: {w.stage}); its stderr may say why")
+      elif w.copies and now - min(w.copies.values()) > self._timeout_s:
+        self._fail(f"worker process {w.process.pid} did not copy a batch's pixels within "
+                   f"element_timeout_s = {self._timeout_s:g} s (stopped, or starved of CPU)")
       elif w.jobs and now - w.since > self._timeout_s:
         self._fail(self._stalled(w.jobs[0], f"worker process {w.process.pid}"))
 
@@ -406,9 +456,19 @@ class Fetcher:
           message, *_, held = w.conn.recv()
           w.memory["at_" + message] = held
           return self._starting(w, message)
-        status, key, value, spent, w.memory["now"] = recv(w.conn, w.slab)
+        status, key, value, spent, held = recv(w.conn, w.slab)
       except (EOFError, OSError):
         return self._exited(w)
+      if status == "copied":  # `key` is the batch's token, `value` the copy's error
+        with self._cond:
+          w.copies.pop(key, None)
+          if value is not None:
+            self._fail(f"worker process {w.process.pid} failed to copy a batch's pixels:\n"
+                       f"{value}")
+            return False
+          self._cond.notify_all()
+        return True
+      w.memory["now"] = held
       storage.COUNTS.add(self._names[key[0]], spent)
       with self._cond:
         w.jobs.remove(key)
@@ -467,6 +527,8 @@ class Fetcher:
                    "out of memory?)")
       elif w.jobs:
         self._fail(f"{w.describe_exit()} with {self._describe(*w.jobs[0])} in hand")
+      elif w.copies:
+        self._fail(f"{w.describe_exit()} while copying a batch's pixels")
       else:
         self._fail(f"{w.describe_exit()} while idle")
     return False

@@ -11,25 +11,36 @@ Workers ignore SIGINT (the main process decides what a Ctrl-C means), run at a
 lower priority, and leave quietly when the main process goes away.
 
 Messages to a worker: its share and slab size, its datasets, the slab itself (a file
-descriptor), then `(jobs, freed)` (elements to compute, as `(group, index)`, and the
-regions of its slab the main process let go of), or None (stop).
+descriptor), then `("work", jobs, freed)` (elements to compute, as `(group, index)`,
+and the regions of its slab the main process let go of), `("arena", size)` followed
+by a descriptor (the batch buffers' shared pixels, `workers/arena.py`), `("copy",
+token, copies)` (pixels of its slab to copy into the arena: the worker answers
+`("copied", token, error)`), or None (stop). The worker reads them on its main
+thread, which also does the copies, and computes its jobs on a thread of its own,
+so a copy never waits behind a decode.
 """
 
 from __future__ import annotations
 
 import collections
+import contextlib
+import mmap
 import multiprocessing.reduction
 import multiprocessing.resource_tracker
 import os
 import pickle
 import signal
+import queue
 import socket
+import threading
 import time
 import traceback
 from multiprocessing.connection import Connection
 from typing import Any
 
-from bagel_grain import c_heap, held_memory, storage
+import numpy as np
+
+from bagel_grain import c_heap, held_memory, interpreter_exit, storage
 from bagel_grain.workers import slab as slabs
 from bagel_grain.sources import readahead
 from bagel_grain.errors import BagelGrainError, StorageUnavailableError
@@ -60,7 +71,8 @@ def _held_memory() -> dict[str, int]:
 
 
 def send(conn: Connection, status: str, job: tuple[int, int], value: Any,
-         spent: storage.ElementStorage, slab: slabs.WorkerSlab | None = None) -> None:
+         spent: storage.ElementStorage, slab: slabs.WorkerSlab | None = None,
+         lock: threading.Lock | None = None) -> None:
   """Pickle protocol 5 with the arrays' buffers out of band: copied once into `slab` when
   it has room (the main process maps it), else sent over the socket; never into the pickle.
 
@@ -72,18 +84,23 @@ def send(conn: Connection, status: str, job: tuple[int, int], value: Any,
   buffers: list[pickle.PickleBuffer] = []
   payload = pickle.dumps(value, protocol=5, buffer_callback=buffers.append)
   placed = slab.place(buffers) if slab is not None and buffers else None
-  conn.send((status, job, len(buffers), spent.retries, spent.wait_s, placed, _held_memory(),
-             payload))  # one message: with the arrays placed, a few KiB
-  if placed is None:
-    for buffer in buffers:
-      conn.send_bytes(buffer.raw())
+  with lock or contextlib.nullcontext():  # the copies' acknowledgements share the socket
+    conn.send((status, job, len(buffers), spent.retries, spent.wait_s, placed, _held_memory(),
+               payload))  # one message: with the arrays placed, a few KiB
+    if placed is None:
+      for buffer in buffers:
+        conn.send_bytes(buffer.raw())
 
 
 def recv(conn: Connection, slab: slabs.MainSlab | None = None
          ) -> tuple[str, tuple[int, int], Any, storage.ElementStorage, dict[str, int]]:
   """What `send` sent: status, job, value, storage cost, and the worker's memory held.
-  The value's arrays are read-only views of the slab, or of the bytes received."""
-  status, job, count, retries, wait_s, placed, held, payload = conn.recv()
+  The value's arrays are read-only views of the slab, or of the bytes received.
+  A copy's acknowledgement is status "copied", its token and its error (None)."""
+  header = conn.recv()
+  if header[0] == "copied":
+    return "copied", header[1], header[2], storage.ElementStorage(0, 0.0), None
+  status, job, count, retries, wait_s, placed, held, payload = header
   if placed is not None:
     buffers = slab.buffers(placed)
   else:
@@ -128,25 +145,74 @@ def _worker_main(conn: Connection) -> None:
       conn.send_bytes(pickle.dumps(traceback.format_exc()))
       return
     conn.send(("ready", None, 0, 0, 0.0, held_memory.snapshot()))  # and datasets loaded
+    lock, jobs = threading.Lock(), queue.SimpleQueue()
+    threading.Thread(target=_compute, args=(conn, datasets, slab, lock, jobs), daemon=True,
+                     name="bagel-grain-compute").start()
+    arena = None
     while True:
       message = conn.recv()
       if message is None:
         return
-      jobs, freed = message
-      if freed:
-        slab.free(freed)
-      for job in jobs:
-        group, index = job
-        with storage.element_scope() as spent:
-          try:
-            status, value = "ok", datasets[group][index]
-          except StorageUnavailableError as e:  # the main process raises it; a retry may pass
-            status, value = "retry", e
-          except Exception:  # pylint: disable=broad-except  # reported, then the stream stops
-            status, value = "error", traceback.format_exc()
-        send(conn, status, job, value, spent, slab)
+      if message[0] == "work":
+        _, work, freed = message
+        if freed:
+          slab.free(freed)
+        for job in work:
+          jobs.put(job)
+      elif message[0] == "arena":
+        fd = multiprocessing.reduction.recv_handle(conn)
+        try:
+          arena = mmap.mmap(fd, message[1])
+        finally:
+          os.close(fd)
+      elif message[0] == "copy":
+        _, token, copies = message
+        error = _copy(copies, slab, arena)
+        with lock:
+          conn.send(("copied", token, error))
   except (EOFError, OSError):
     return  # the main process closed our socket or went away
+
+
+def _compute(conn: Connection, datasets, slab: slabs.WorkerSlab | None, lock: threading.Lock,
+             jobs: queue.SimpleQueue) -> None:
+  """The worker's jobs, one after the other, each result sent as soon as it is made."""
+  try:
+    while True:
+      job = jobs.get()
+      group, index = job
+      # (a daemon thread: the exit waits for it to leave pyarrow, see interpreter_exit)
+      with storage.element_scope() as spent, interpreter_exit.working():
+        try:
+          status, value = "ok", datasets[group][index]
+        except StorageUnavailableError as e:  # the main process raises it; a retry may pass
+          status, value = "retry", e
+        except Exception:  # pylint: disable=broad-except  # reported, then the stream stops
+          status, value = "error", traceback.format_exc()
+      send(conn, status, job, value, spent, slab, lock)
+  except (EOFError, OSError):
+    os._exit(0)  # the main process closed our socket or went away
+  except BaseException:  # pylint: disable=broad-except  # e.g. a result that does not pickle
+    traceback.print_exc()
+    os._exit(1)  # the process ends, as when one thread did everything: the pump reports it
+
+
+def _copy(copies, slab: slabs.WorkerSlab | None, arena: mmap.mmap | None) -> str | None:
+  """Copies arrays of the slab into the arena: each `(destination, source)` an array's
+  `(offset, shape, strides, dtype)` in its mapping (numpy checks that it lies inside), or
+  a number to fill the destination with. None when done, else what failed (the main
+  process fails the stream with it)."""
+  try:
+    for (d_off, d_shape, d_strides, d_type), source in copies:
+      destination = np.ndarray(d_shape, d_type, arena, d_off, d_strides)
+      if isinstance(source, (int, float)):
+        destination[...] = source
+      else:
+        s_off, s_shape, s_strides, s_type = source
+        destination[...] = np.ndarray(s_shape, s_type, slab.memory, s_off, s_strides)
+    return None
+  except Exception:  # pylint: disable=broad-except  # reported by the main process
+    return traceback.format_exc()
 
 
 def _lower_priority(pid: int) -> None:
@@ -174,6 +240,8 @@ class Worker:
     self.since = time.monotonic()  # start of the current stage, or of the job in hand
     self.jobs: collections.deque[tuple[int, int]] = collections.deque()
     self.memory: dict[str, dict[str, int]] = {}  # see Fetcher.worker_memory
+    self.copies: dict[int, float] = {}  # batches' copies it owes: token -> when sent
+    self.arena: int | None = None  # the arena it maps (`workers/arena.py`)
     # Its slab: this process maps it now; the descriptor goes to the worker at hand-over.
     self.slab_fd = slabs.create()
     self.slab = slabs.main_side(self.slab_fd, slabs.SLAB_BYTES)

@@ -25,6 +25,7 @@ import collections
 import mmap
 import os
 import pickle
+import threading
 import weakref
 from typing import Sequence
 
@@ -42,12 +43,12 @@ Spans = tuple[tuple[int, int], ...]  # (offset within the region, bytes) per buf
 Placed = tuple[int, Spans]  # (the region's start in the slab, its buffers)
 
 
-def create(size: int = SLAB_BYTES) -> int | None:
+def create(size: int = SLAB_BYTES, name: str = "bagel-grain-slab") -> int | None:
   """A new slab's file descriptor (close-on-exec), or None where the system has no memfd."""
   if not hasattr(os, "memfd_create"):
     return None
   try:
-    fd = os.memfd_create("bagel-grain-slab", os.MFD_CLOEXEC)
+    fd = os.memfd_create(name, os.MFD_CLOEXEC)
   except OSError:
     return None
   try:
@@ -107,6 +108,12 @@ class WorkerSlab:
     self._view = memoryview(self._map)
     self._regions = Regions(size)
     self._warm = WARM_BYTES if warm is None else warm
+    self._lock = threading.Lock()  # regions are placed by the compute thread, freed by the reader
+
+  @property
+  def memory(self) -> mmap.mmap:
+    """The mapping, for the copies into batch buffers the main process asks for."""
+    return self._map
 
   def place(self, buffers: Sequence[pickle.PickleBuffer]) -> Placed | None:
     """Where `buffers` now lie, or None when no free region is large enough."""
@@ -115,7 +122,8 @@ class WorkerSlab:
     for raw in raws:
       spans.append((end, raw.nbytes))
       end += -(-raw.nbytes // _ALIGN) * _ALIGN
-    start = self._regions.take(end)
+    with self._lock:
+      start = self._regions.take(end)
     if start is None:
       return None
     for raw, (offset, nbytes) in zip(raws, spans):
@@ -126,14 +134,15 @@ class WorkerSlab:
     """Frees the regions; the whole pages of them beyond the warm bytes go back to the kernel
     (MADV_REMOVE: gone from the main process's mapping too)."""
     for start in starts:
-      end = start + self._regions.free(start)
-      first = -(-max(start, self._warm) // mmap.PAGESIZE) * mmap.PAGESIZE
-      last = end // mmap.PAGESIZE * mmap.PAGESIZE
-      if last > first and hasattr(mmap, "MADV_REMOVE"):
-        try:
-          self._map.madvise(mmap.MADV_REMOVE, first, last - first)
-        except OSError:
-          pass  # kept resident: only memory, never the data
+      with self._lock:  # its pages gone before the compute thread can place anything there
+        end = start + self._regions.free(start)
+        first = -(-max(start, self._warm) // mmap.PAGESIZE) * mmap.PAGESIZE
+        last = end // mmap.PAGESIZE * mmap.PAGESIZE
+        if last > first and hasattr(mmap, "MADV_REMOVE"):
+          try:
+            self._map.madvise(mmap.MADV_REMOVE, first, last - first)
+          except OSError:
+            pass  # kept resident: only memory, never the data
 
 
 class MainSlab:
@@ -143,6 +152,17 @@ class MainSlab:
   def __init__(self, fd: int, size: int):
     self._map = mmap.mmap(fd, size, access=mmap.ACCESS_READ)
     self._freed: collections.deque[int] = collections.deque()
+    whole = np.frombuffer(self._map, np.uint8)
+    self._start, self._end = whole.ctypes.data, whole.ctypes.data + size
+    del whole  # (an array of it would keep the mapping from ever closing)
+
+  def where(self, array: np.ndarray) -> tuple[int, tuple, tuple, str] | None:
+    """`array` as `(offset, shape, strides, dtype)` in this slab, or None when it lies
+    elsewhere (the worker can then build the same array from its own mapping)."""
+    address = array.__array_interface__["data"][0]
+    if not self._start <= address < self._end:
+      return None
+    return address - self._start, array.shape, array.strides, array.dtype.str
 
   def buffers(self, placed: Placed) -> list[np.ndarray]:
     """The buffers of an element placed at `placed`: read-only views that keep its region
