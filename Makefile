@@ -50,7 +50,7 @@ bench: .bench_data/.complete
 # The main suite does not collect tests/beam (pyproject's pytest options); the Beam venv
 # runs it after.
 test: $(STAMP) $(BEAM_STAMP)
-	$(PY) -m pytest -x -n auto --durations=25 tests
+	$(PY) -m pytest -x -n auto --dist loadgroup --durations=25 tests
 	$(BEAM_VENV)/bin/python -m pytest -x -p no:cacheprovider tests/beam
 
 clean:
