@@ -2,9 +2,13 @@
 ranged reads (`ranged_file.RangedFile`), never the whole object unless it is small (issue 28)."""
 
 import collections
+import errno
+import io
 import json
 import shutil
+import tempfile
 
+import av
 import numpy as np
 import pytest
 
@@ -79,12 +83,87 @@ def test_a_small_object_is_read_in_one_request_a_large_one_in_ranges(video_dir):
   ranged = _over_bytes(small)
   _frames(ranged, SAMPLERS[0], 0)
   assert ranged.requests == 1 and ranged.bytes_read == len(small)
+  assert ranged._spill._file is None  # pylint: disable=protected-access  # no temporary file
   # A buffer a quarter of the object: it is streamed through it (the packets demuxed
-  # once, in runs of blocks), then the seek plan's ranges are read again.
+  # once, in runs of blocks), and the seek plan's ranges come back from the spill file.
   large = (video_dir / "clips" / "long.mp4").read_bytes()
   ranged = _over_bytes(large, whole_bytes=0, block_bytes=len(large) // 32, max_blocks=8)
   _frames(ranged, SAMPLERS[0], 0)
-  assert 1 < ranged.requests < 32 and len(large) <= ranged.bytes_read < 2 * len(large)
+  assert 1 < ranged.requests < 32 and ranged.bytes_read == len(large)
+
+
+@pytest.fixture(scope="module")
+def noise_clip(tmp_path_factory):
+  """5.1 MB of H.264 noise: over `WHOLE_BYTES`, so streamed through the default buffer."""
+  path = tmp_path_factory.mktemp("noise") / "noise.mp4"
+  rng = np.random.default_rng(0)
+  with av.open(str(path), "w") as out:
+    stream = out.add_stream("libx264", rate=24)
+    stream.width, stream.height, stream.pix_fmt = 320, 240, "yuv420p"
+    stream.options = {"g": "24", "bf": "2", "preset": "ultrafast", "threads": "1"}
+    for _ in range(120):
+      image = rng.integers(0, 256, (240, 320, 3), dtype=np.uint8)
+      out.mux(stream.encode(av.VideoFrame.from_ndarray(image, format="rgb24")))
+    out.mux(stream.encode())
+  assert path.stat().st_size > ranged_file.WHOLE_BYTES
+  return path
+
+
+def test_a_clip_over_the_buffer_is_fetched_once_and_decodes_as_on_disk(noise_clip, tmp_path,
+                                                                        monkeypatch):
+  """Demuxed whole, then sought and decoded (as PyAV reads it): each byte is fetched once
+  (blocks that left the 4 MiB buffer come back from an unlinked temporary file), in a
+  bounded number of requests, and the frames are the local file's."""
+  monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+  data = noise_clip.read_bytes()
+  for head in (b"", data[:ranged_file.WHOLE_BYTES]):  # without and with read-ahead
+    for args in SAMPLERS:
+      local = _frames(str(noise_clip), args, 1)
+      ranged = _over_bytes(data, head=head)
+      got = _frames(ranged, args, 1)
+      assert got[1] == local[1] and all(np.array_equal(a, b) for a, b in zip(got[0], local[0]))
+      fetched = len(data) - len(head)
+      assert fetched <= ranged.bytes_read <= 1.05 * fetched, (ranged.bytes_read, fetched)
+      assert ranged.requests <= fetched // (2 << 20) + 6 and ranged.spill_error is None
+      held = sum(len(b) for b in ranged._blocks.values())  # pylint: disable=protected-access
+      assert held <= ranged_file.WHOLE_BYTES
+      assert not list(tmp_path.iterdir())  # the temporary file has no name
+      ranged.close()
+      assert ranged._spill._file is None  # pylint: disable=protected-access
+
+
+class _FullDisk(io.FileIO):
+  """A temporary file on a disk that fills after `room` bytes."""
+  room = 3 * ranged_file.BLOCK_BYTES
+
+  def write(self, b):
+    if self.tell() + len(b) > self.room:
+      raise OSError(errno.ENOSPC, "No space left on device")
+    return super().write(b)
+
+
+@pytest.mark.parametrize("fault", ["no-tmpdir", "disk-full"])
+def test_without_a_temporary_file_a_large_clip_is_read_again_not_dropped(
+    noise_clip, tmp_path, monkeypatch, caplog, fault):
+  """An unusable TMPDIR or a full disk: logged once per process, the blocks fetched again
+  from the bucket as they are needed, the frames still the local file's."""
+  monkeypatch.setattr(ranged_file, "_spill_warned", False)
+  if fault == "no-tmpdir":
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "missing"))
+  else:
+    monkeypatch.setattr(tempfile, "TemporaryFile",
+                        lambda **_: _FullDisk(tmp_path / "spill", "w+"))
+  data = noise_clip.read_bytes()
+  local = _frames(str(noise_clip), SAMPLERS[0], 0)
+  for _ in range(2):
+    ranged = _over_bytes(data)
+    got = _frames(ranged, SAMPLERS[0], 0)
+    assert got[1] == local[1] and all(np.array_equal(a, b) for a, b in zip(got[0], local[0]))
+    want = errno.ENOENT if fault == "no-tmpdir" else errno.ENOSPC
+    assert ranged.spill_error.errno == want and ranged.bytes_read > 1.2 * len(data)
+    ranged.close()
+  warned = [r for r in caplog.records if r.name == ranged_file.__name__]
+  assert len(warned) == 1 and "temporary file" in warned[0].getMessage()
 
 
 def test_a_storage_failure_inside_pyav_is_raised_not_dropped(video_dir):

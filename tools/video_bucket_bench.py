@@ -2,9 +2,9 @@
 
     python tools/video_bucket_bench.py            # S3 and GCS test servers, 4 samples a clip
 
-Writes test clips (the codec cases of tests/test_video_in_buckets.py, and one of 6.8 MB
-of noise, larger than the 4 MiB buffer), uploads them to the project's S3 server and
-GCS emulator (tests/object_store/, on 127.0.0.1), and reads samples as the VLM family
+Writes test clips (the codec cases of tests/test_video_in_buckets.py, and two of noise,
+5.1 MB and 10.3 MB, larger than the 4 MiB buffer), uploads them to the project's S3
+server and GCS emulator (tests/object_store/, on 127.0.0.1), and reads samples as the VLM family
 does (`DiskFiles.open_video`, no read-ahead: every request is the sample's own). The
 requests are counted by a fault proxy in front of the server (no fault injected): each
 sample's HEAD/metadata requests and ranged GETs; the bytes are those the ranged reads
@@ -90,7 +90,8 @@ def main(argv=None) -> int:
     for spec in SPECS:
       write_video(folder, spec)
     write_noise_clip(folder / "noise.mp4")
-    names = [s.name for s in SPECS] + ["noise.mp4"]
+    write_noise_clip(folder / "noise_long.mp4", frames=240)
+    names = [s.name for s in SPECS] + ["noise.mp4", "noise_long.mp4"]
     rows = []
     for kind in args.stores.split(","):
       rows += measure(kind, folder, names, args.samples)
