@@ -85,21 +85,6 @@ _OUTDATED = ("the sidecar index was written by an older bagel-grain (without the
 # -- parquet ---------------------------------------------------------------------
 
 
-def read_footer(path: str, pin: fs.FileInfo | None = None) -> pq.FileMetaData:
-  """A parquet file's footer, checked (`parquet_footer.check_footer`). With `pin` (its
-  listing: on a bucket no HEAD for its size) the footer is of that content, and is kept
-  for the first row groups' reads (`parquet_footer.known`)."""
-  try:
-    with fs.open_random_access(path, pin=pin) as f:
-      meta, size = pq.ParquetFile(f).metadata, f.size()
-  except (OSError, pa.ArrowException) as e:
-    raise DatasetError(f"cannot read parquet footer: {e}", file=path) from None
-  parquet_footer.check_footer(meta, path, size)  # before any count sizes anything
-  if pin is not None:
-    parquet_footer.keep(pin, meta)
-  return meta
-
-
 class ParquetFileFacts:
   """Per parquet file: its columns and the rows of each of its row groups."""
 
@@ -163,7 +148,7 @@ def indexed_parquet_file(path: str, listed: identity.Identity,
                          progress: Callable | None = None):
   """(identity, facts) of one parquet file, as its index records them."""
   return identity.indexed(path, listed, "parquet", progress), ParquetFileFacts.of_footer(
-      read_footer(path))
+      parquet_footer.read(path, at_build=True))
 
 
 def write_parquet_index(data_dir: str, progress: Callable | None = None) -> str:
@@ -344,23 +329,16 @@ def line_ends(path: str, start: int = 0, stop: int | None = None,
 
 
 def _chunks(path: str, start: int, stop: int | None):
-  """(offset, bytes) of [start, stop) in pieces of `_SCAN_CHUNK`: an object's by ranged
-  reads (each waits out transient faults: `storage.retried`); a local file's by `pread`
-  on one descriptor."""
-  local = None if fs.is_uri(path) else open(path, "rb")  # pylint: disable=consider-using-with
-  try:
-    position = start
-    while stop is None or position < stop:
-      want = _SCAN_CHUNK if stop is None else min(_SCAN_CHUNK, stop - position)
-      chunk = (os.pread(local.fileno(), want, position) if local is not None else
-               fs.read_range(path, position, want))
-      if not chunk:
-        return
-      yield position, chunk
-      position += len(chunk)
-  finally:
-    if local is not None:
-      local.close()
+  """(offset, bytes) of [start, stop) in pieces of `_SCAN_CHUNK`, by ranged reads (an
+  object's each waits out transient faults: `storage.retried`)."""
+  position = start
+  while stop is None or position < stop:
+    want = _SCAN_CHUNK if stop is None else min(_SCAN_CHUNK, stop - position)
+    chunk = fs.read_range(path, position, want)
+    if not chunk:
+      return
+    yield position, chunk
+    position += len(chunk)
 
 
 def line_starts_from_ends(ends: Sequence[np.ndarray], size: int) -> np.ndarray:
