@@ -311,6 +311,7 @@ def test_a_build_time_outage_past_the_deadline_is_a_storage_error_naming_the_obj
   proxy = store.fault_proxy()
   _through(proxy, store, monkeypatch)
   proxy.fault("503", seconds=60, match="t2i/part-00000.parquet")
+  monkeypatch.setattr(parquet_footer, "_KEPT", fresh_footers())  # no footer of a test before
   cfg = _epoch_config(root, demo_dir, storage_timeout_s=1.5)
   started = time.monotonic()
   with pytest.raises(StorageUnavailableError, match=r"reading \S*t2i/part-00000\.parquet: "):

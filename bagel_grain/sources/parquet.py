@@ -220,10 +220,30 @@ def dataset_catalog(data_dir: str, num_used: int | None, columns: Sequence[str],
                                         fs.join(data_dir, sidecar.PARQUET_INDEX))
     return ParquetCatalog(files, columns, facts=facts, listed=names, pins=pins)
   if parquet_info_path is not None:
-    counts = sidecar.row_group_counts(files, sidecar.read_parquet_info(parquet_info_path))
+    with concurrent.futures.ThreadPoolExecutor(io_limits.FOOTER_THREADS + 1) as pool:
+      info = pool.submit(sidecar.read_parquet_info, parquet_info_path)
+      _footers_ahead(pool, files, pins)
+      counts = sidecar.row_group_counts(files, info.result())
     return ParquetCatalog(files, columns, counts=counts, counts_file=parquet_info_path,
                           listed=names, pins=pins)
   return ParquetCatalog(files, columns, listed=names, pins=pins)
+
+
+def _footers_ahead(pool, files: Sequence[str], pins: dict[str, fs.FileInfo]) -> None:
+  """On a bucket, the footers of the first files (at most `FOOTER_THREADS`), read while
+  `parquet_info` is and kept (`parquet_footer.keep`): a single process's blocks need them
+  next, one round trip later; a process whose share lies elsewhere spends requests of a
+  round trip it waits on anyway. A failure is left to the read that needs the footer."""
+  ahead = [f for f in dict.fromkeys(files) if fs.is_uri(f)][:io_limits.FOOTER_THREADS]
+
+  def read(path: str) -> None:
+    try:
+      parquet_footer.read(path, pins.get(path), at_build=True)
+    except (DatasetError, OSError):
+      pass
+
+  for path in ahead:
+    pool.submit(read, path)
 
 
 class ParquetRowSource:
