@@ -321,11 +321,15 @@ def line_ends(path: str, start: int = 0, stop: int | None = None,
   --runner` splits a file so); the ranges' results laid end to end are the whole file's."""
   pieces = [np.zeros(0, np.int64)]
   for position, chunk in _chunks(path, start, stop):
-    newlines = np.flatnonzero(np.frombuffer(chunk, np.uint8) == 10)
-    pieces.append(newlines.astype(np.int64) + (position + 1))
+    pieces.append(_newline_ends(chunk, position))
     if progress:
       progress(len(chunk))
   return np.concatenate(pieces)
+
+
+def _newline_ends(chunk: bytes, position: int) -> np.ndarray:
+  """One past each `\\n` of `chunk`, the file's bytes from `position` on."""
+  return np.flatnonzero(np.frombuffer(chunk, np.uint8) == 10).astype(np.int64) + (position + 1)
 
 
 def _chunks(path: str, start: int, stop: int | None):
@@ -499,7 +503,9 @@ class LineIndex:
   caller read it already (on a bucket, at the same time as `info`)."""
 
   def __init__(self, path: str, info: fs.FileInfo | None = None,
-               stamp: Callable[[], bytes] | None = None):
+               stamp: Callable[[], bytes] | None = None, content: bytes | None = None):
+    """`content`: the file's bytes, when the caller holds them (of `info`): a scan reads
+    them instead of the file."""
     self.path = path
     self._lines: NpyRange | None = None
     self._starts: np.ndarray | None = None
@@ -507,7 +513,10 @@ class LineIndex:
     try:
       meta = json.loads((stamp or functools.partial(read_line_index_stamp, path))())
     except FileNotFoundError:
-      self._starts = scan_line_starts(path, size=None if info is None else info.size)
+      if content is not None:
+        self._starts = line_starts_from_ends([_newline_ends(content, 0)], len(content))
+      else:
+        self._starts = scan_line_starts(path, size=None if info is None else info.size)
       self.count = len(self._starts) - 1
       if self.count >= WARN_LINES:
         _warn_once(path, f"scans its {self.count:,} lines for their offsets")
