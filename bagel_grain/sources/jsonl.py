@@ -1,4 +1,5 @@
-"""Random access to JSONL lines through a byte-offset index (the file is never held whole).
+"""Random access to JSONL lines through a byte-offset index (the file is never held whole,
+but a small object, read whole at build in the request its scan makes: `KEPT_OBJECT_BYTES`).
 
 Every process reads the file as the build found it, or not at all. Each process
 opens it itself (a worker on its first line), so a file deleted, replaced or
