@@ -17,7 +17,7 @@ from bagel_grain.config import load_config
 from bagel_grain.configs import shipped_path
 from bagel_grain.errors import DatasetError
 from bagel_grain.pipeline import build_pipeline
-from bagel_grain.sources import identity, sidecar
+from bagel_grain.sources import identity, parquet_footer, sidecar
 from bagel_grain.sources.jsonl import JsonlLineSource
 from bagel_grain.sources.parquet import dataset_source
 from bagel_grain.sources.records import ConcatSource, ShuffledRecords
@@ -129,12 +129,19 @@ def test_indexed_parquet_reads_no_footer_and_gives_the_same_records(tmp_path, mo
   shard = dict(shard_index=process_index, shard_count=2)
   footers = _records(dataset_source(folder, 6, ["id"]), **shard)
   sidecar.write_parquet_index(folder)
-  monkeypatch.setattr(sidecar, "read_footer", _no_footer)
+  _refuse_footers(monkeypatch)
   assert _records(dataset_source(folder, 6, ["id"]), **shard) == footers
 
 
-def _no_footer(path):
+def _no_footer(path, *args, **kwargs):
   raise AssertionError(f"footer of {path} read")
+
+
+def _refuse_footers(monkeypatch):
+  """A footer read at build fails the test (a row group's read of its own goes on)."""
+  real = parquet_footer.read
+  monkeypatch.setattr(parquet_footer, "read", lambda path, pin=None, *, at_build: (
+      _no_footer(path) if at_build else real(path, pin, at_build=at_build)))
 
 
 def test_parquet_info_spares_the_footers_of_other_processes_files(tmp_path, monkeypatch):
@@ -144,8 +151,9 @@ def test_parquet_info_spares_the_footers_of_other_processes_files(tmp_path, monk
   info.write_text(json.dumps({f"pq/part-{f}.parquet": {"num_row_groups": 3, "num_rows": 9}
                               for f in range(4)}))
   read = []
-  real = sidecar.read_footer
-  monkeypatch.setattr(sidecar, "read_footer", lambda p, pin=None: read.append(p) or real(p, pin))
+  real = parquet_footer.read
+  monkeypatch.setattr(parquet_footer, "read", lambda p, pin=None, *, at_build: (
+      read.append(p) or real(p, pin, at_build=at_build)))
   got = _records(dataset_source(folder, None, ["id"], str(info)), shard_index=1,
                  shard_count=2)
   assert got == expected
@@ -195,7 +203,7 @@ def test_index_command_then_the_demo_builds_without_scans_and_streams_the_same(
   before = batches()
   assert cli.main(["index", str(config_path)]) == 0
   assert "wrote" in capsys.readouterr().out
-  monkeypatch.setattr(sidecar, "read_footer", _no_footer)
+  _refuse_footers(monkeypatch)
   monkeypatch.setattr(sidecar, "scan_line_starts", _no_footer)
   after = batches()
   for a, b in zip(before, after, strict=True):

@@ -1,4 +1,5 @@
-"""Random access to JSONL lines through a byte-offset index (the file is never held whole).
+"""Random access to JSONL lines through a byte-offset index (the file is never held whole,
+but a small object, read whole at build in the request its scan makes: `KEPT_OBJECT_BYTES`).
 
 Every process reads the file as the build found it, or not at all. Each process
 opens it itself (a worker on its first line), so a file deleted, replaced or
@@ -32,6 +33,12 @@ from bagel_grain.drops import Drop, DropReason
 from bagel_grain.sources import sidecar
 
 _LOADING = threading.Lock()  # a source is loaded once, whichever thread reads it first
+# An object of at most this many bytes is read whole at build (one request, with its
+# scan's and its tail's), and its lines served from those bytes: on a bucket no round
+# trip for them before the first batch. At most `KEPT_BUDGET` bytes so held a process.
+KEPT_OBJECT_BYTES = 1 << 20
+KEPT_BUDGET = 16 << 20
+_kept = [0]  # bytes held so, in this process's builds
 
 
 class JsonlLineSource:
@@ -50,13 +57,22 @@ class JsonlLineSource:
   def __init__(self, path: str, *, num_used: int | None = None, shuffle_lines: bool = False,
                shuffle_seed: int = 0):
     self._path = path
+    content = None  # a small object's bytes, of `stamp`: its scan's, tail's and lines'
     if fs.is_uri(path):  # the object, its index stamp and its tail: requests made together
       with concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="bagel-grain-jsonl") as pool:
         index_stamp = pool.submit(sidecar.read_line_index_stamp, path)
         stamp = _stamp(path)  # before the scan: a change during it shows too
-        tail = pool.submit(tail_digest, path, int(stamp.size), stamp)
-        self._index: sidecar.LineIndex | None = sidecar.LineIndex(path, stamp, index_stamp.result)
-        self.tail = tail.result()
+        whole = int(stamp.size) <= KEPT_OBJECT_BYTES
+        if whole:
+          content = _read_whole(path, stamp)
+        else:
+          tail = pool.submit(tail_digest, path, int(stamp.size), stamp)
+        self._index: sidecar.LineIndex | None = sidecar.LineIndex(
+            path, stamp, index_stamp.result, content=content)
+        if not whole:
+          self.tail = tail.result()
+        else:  # as `tail_digest` says of an object changed since its HEAD: None
+          self.tail = None if content is None else _tail(content, len(content))
     else:
       stamp = _stamp(path)
       self._index = sidecar.LineIndex(path, stamp)
@@ -73,6 +89,7 @@ class JsonlLineSource:
     self._span = (0, count)
     self._line = self._start = self._length = None
     self._file = None
+    self._content = content if content is not None and _hold(len(content)) else None
 
   def _load(self) -> None:
     if self._length is not None:  # set last: the arrays are all there
@@ -174,6 +191,10 @@ class JsonlLineSource:
 
   def __getitem__(self, index: int) -> bytes:
     self._load()
+    if self._content is not None:
+      start = int(self._start[index])
+      data = self._content[start:start + int(self._length[index])]
+      return data[:-1] if data.endswith(b"\r") else data
     if self._file is None:
       self._file = _open_checked(self._path, self._stamp)
     try:
@@ -185,6 +206,28 @@ class JsonlLineSource:
 
 
 TAIL_BYTES = 4096
+
+
+def _read_whole(path: str, stamp: fs.FileInfo) -> bytes | None:
+  """The object's bytes as `stamp` saw them (one request); None when they changed since."""
+  try:
+    return fs.read_range(path, 0, int(stamp.size), pin=stamp)
+  except fs.ObjectChanged:
+    return None
+
+
+def _hold(nbytes: int) -> bool:
+  """Whether this process may hold `nbytes` more of small objects' lines (`KEPT_BUDGET`)."""
+  with _LOADING:
+    if _kept[0] + nbytes > KEPT_BUDGET:
+      return False
+    _kept[0] += nbytes
+    return True
+
+
+def _tail(data: bytes, size: int) -> str:
+  """The digest `tail_digest` makes of `data`, the file's bytes up to `size`."""
+  return hashlib.sha256(data[max(0, size - TAIL_BYTES):size]).hexdigest()[:16]
 
 
 def tail_digest(path: str, size: int, pin: fs.FileInfo | None = None) -> str | None:
@@ -199,7 +242,7 @@ def tail_digest(path: str, size: int, pin: fs.FileInfo | None = None) -> str | N
   if data is None:
     with fs.open_random_access(path) as f:
       data = f.read_at(size - start, start)
-  return hashlib.sha256(data).hexdigest()[:16]
+  return _tail(data, len(data))
 
 
 def _stamp(path: str) -> fs.FileInfo:

@@ -137,7 +137,7 @@ class ParquetCatalog:
     with concurrent.futures.ThreadPoolExecutor(io_limits.FOOTER_THREADS) as pool:
       self._probe_pins(pool, paths)
       for path, meta in zip(paths, pool.map(
-          lambda p: sidecar.read_footer(p, self.pins.get(p)), paths)):
+          lambda p: parquet_footer.read(p, self.pins.get(p), at_build=True), paths)):
         facts = sidecar.ParquetFileFacts.of_footer(meta)
         if path in self._counts and (self._counts[path] != len(facts.row_group_rows)
                                      or not np.all(facts.row_group_rows)):
@@ -220,10 +220,30 @@ def dataset_catalog(data_dir: str, num_used: int | None, columns: Sequence[str],
                                         fs.join(data_dir, sidecar.PARQUET_INDEX))
     return ParquetCatalog(files, columns, facts=facts, listed=names, pins=pins)
   if parquet_info_path is not None:
-    counts = sidecar.row_group_counts(files, sidecar.read_parquet_info(parquet_info_path))
+    with concurrent.futures.ThreadPoolExecutor(io_limits.FOOTER_THREADS + 1) as pool:
+      info = pool.submit(sidecar.read_parquet_info, parquet_info_path)
+      _footers_ahead(pool, files, pins)
+      counts = sidecar.row_group_counts(files, info.result())
     return ParquetCatalog(files, columns, counts=counts, counts_file=parquet_info_path,
                           listed=names, pins=pins)
   return ParquetCatalog(files, columns, listed=names, pins=pins)
+
+
+def _footers_ahead(pool, files: Sequence[str], pins: dict[str, fs.FileInfo]) -> None:
+  """On a bucket, the footers of the first files (at most `FOOTER_THREADS`), read while
+  `parquet_info` is and kept (`parquet_footer.keep`): a single process's blocks need them
+  next, one round trip later; a process whose share lies elsewhere spends requests of a
+  round trip it waits on anyway. A failure is left to the read that needs the footer."""
+  ahead = [f for f in dict.fromkeys(files) if fs.is_uri(f)][:io_limits.FOOTER_THREADS]
+
+  def read(path: str) -> None:
+    try:
+      parquet_footer.read(path, pins.get(path), at_build=True)
+    except (DatasetError, OSError):
+      pass
+
+  for path in ahead:
+    pool.submit(read, path)
 
 
 class ParquetRowSource:
@@ -366,15 +386,13 @@ class ParquetRowSource:
     pin = self._pins.get(path)
     meta = self._footer(path, pin)
     wanted = set(self._columns)  # a nested column is read through its leaves
-    if meta is not None and row_group >= meta.num_row_groups:
-      raise _RowGroupGone(f"the file has {meta.num_row_groups} row groups now")
     span = None if meta is None or not fs.is_uri(path) else _chunk_span(meta, row_group,
                                                                          wanted)
     with fs.open_random_access(path, pin=pin, span=span) as f:
       # pyarrow's ParquetFile takes no pool: its reader does (the class ParquetFile wraps).
       parquet = ParquetReader(memory_pool=_memory_pool())
       parquet.open(f, buffer_size=_BATCH_BYTES, pre_buffer=False, metadata=meta)
-      if row_group >= parquet.metadata.num_row_groups:
+      if row_group >= parquet.metadata.num_row_groups:  # the footer in hand, kept or read
         raise _RowGroupGone(f"the file has {parquet.metadata.num_row_groups} row groups now")
       nbytes = parquet.metadata.row_group(row_group).total_byte_size  # uncompressed
       self._cache.make_room(nbytes)
@@ -391,15 +409,9 @@ class ParquetRowSource:
     else, for an object, read now (a request of its own, kept for the next row groups),
     so that the row group's column chunks are read together (`_chunk_span`). None for a
     local file not read yet: its reader reads it."""
-    meta = parquet_footer.known(pin)
-    if meta is not None or pin is None or not fs.is_uri(path):
-      return meta
-    with fs.open_random_access(path, pin=pin) as f:
-      reader = ParquetReader(memory_pool=_memory_pool())
-      reader.open(f, pre_buffer=False)
-      meta = reader.metadata
-    parquet_footer.keep(pin, meta)
-    return meta
+    if pin is None or not fs.is_uri(path):
+      return parquet_footer.known(pin)
+    return parquet_footer.read(path, pin, at_build=False)
 
   def __getitem__(self, index: int) -> dict[str, Any]:
     self._build()
@@ -427,7 +439,10 @@ SPAN_BYTES = 32 << 20
 
 def _chunk_span(meta, row_group: int, columns: set[str]) -> tuple[int, int] | None:
   """(offset, length) of the bytes holding `row_group`'s chunks of `columns` (their
-  dictionary and data pages), if at most `SPAN_BYTES`; else None."""
+  dictionary and data pages), if at most `SPAN_BYTES`; else None (and for a row group
+  the file does not have: `_read` says so once the reader holds the footer)."""
+  if row_group >= meta.num_row_groups:
+    return None
   group = meta.row_group(row_group)
   first, last = None, 0
   for j in range(group.num_columns):

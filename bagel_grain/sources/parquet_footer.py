@@ -27,8 +27,10 @@ import threading
 from typing import Sequence
 
 import numpy as np
+import pyarrow as pa
 import pyarrow.parquet as pq
 
+from bagel_grain import fs
 from bagel_grain.errors import DatasetError
 
 MAX_ROWS_PER_BYTE = 1000
@@ -140,3 +142,28 @@ def keep(pin, meta: pq.FileMetaData) -> None:
 def known(pin) -> pq.FileMetaData | None:
   """The checked footer of the content `pin` saw, if this process read it lately."""
   return None if pin is None else _KEPT.get(_key(pin))
+
+
+def read(path: str, pin=None, *, at_build: bool) -> pq.FileMetaData:
+  """A parquet file's footer: the one kept for the content `pin` (its listing: on a
+  bucket no HEAD for its size) saw, else read now and kept for the next reads.
+
+  `at_build`: any failure is a DatasetError naming the file, and a footer read now is
+  checked (`check_footer`) before any count sizes anything. Else (a row group's read,
+  of content the build checked) an error is left as raised: an OSError for the caller
+  to retry, Arrow's verdict on the bytes for it to drop the rows."""
+  meta = known(pin)
+  if meta is not None:
+    return meta
+  try:
+    with fs.open_random_access(path, pin=pin) as f:
+      meta, size = pq.ParquetFile(f).metadata, f.size()
+  except (OSError, pa.ArrowException) as e:
+    if not at_build:
+      raise
+    raise DatasetError(f"cannot read parquet footer: {e}", file=path) from None
+  if at_build:
+    check_footer(meta, path, size)
+  if pin is not None:
+    keep(pin, meta)
+  return meta

@@ -85,21 +85,6 @@ _OUTDATED = ("the sidecar index was written by an older bagel-grain (without the
 # -- parquet ---------------------------------------------------------------------
 
 
-def read_footer(path: str, pin: fs.FileInfo | None = None) -> pq.FileMetaData:
-  """A parquet file's footer, checked (`parquet_footer.check_footer`). With `pin` (its
-  listing: on a bucket no HEAD for its size) the footer is of that content, and is kept
-  for the first row groups' reads (`parquet_footer.known`)."""
-  try:
-    with fs.open_random_access(path, pin=pin) as f:
-      meta, size = pq.ParquetFile(f).metadata, f.size()
-  except (OSError, pa.ArrowException) as e:
-    raise DatasetError(f"cannot read parquet footer: {e}", file=path) from None
-  parquet_footer.check_footer(meta, path, size)  # before any count sizes anything
-  if pin is not None:
-    parquet_footer.keep(pin, meta)
-  return meta
-
-
 class ParquetFileFacts:
   """Per parquet file: its columns and the rows of each of its row groups."""
 
@@ -163,7 +148,7 @@ def indexed_parquet_file(path: str, listed: identity.Identity,
                          progress: Callable | None = None):
   """(identity, facts) of one parquet file, as its index records them."""
   return identity.indexed(path, listed, "parquet", progress), ParquetFileFacts.of_footer(
-      read_footer(path))
+      parquet_footer.read(path, at_build=True))
 
 
 def write_parquet_index(data_dir: str, progress: Callable | None = None) -> str:
@@ -336,31 +321,28 @@ def line_ends(path: str, start: int = 0, stop: int | None = None,
   --runner` splits a file so); the ranges' results laid end to end are the whole file's."""
   pieces = [np.zeros(0, np.int64)]
   for position, chunk in _chunks(path, start, stop):
-    newlines = np.flatnonzero(np.frombuffer(chunk, np.uint8) == 10)
-    pieces.append(newlines.astype(np.int64) + (position + 1))
+    pieces.append(_newline_ends(chunk, position))
     if progress:
       progress(len(chunk))
   return np.concatenate(pieces)
 
 
+def _newline_ends(chunk: bytes, position: int) -> np.ndarray:
+  """One past each `\\n` of `chunk`, the file's bytes from `position` on."""
+  return np.flatnonzero(np.frombuffer(chunk, np.uint8) == 10).astype(np.int64) + (position + 1)
+
+
 def _chunks(path: str, start: int, stop: int | None):
-  """(offset, bytes) of [start, stop) in pieces of `_SCAN_CHUNK`: an object's by ranged
-  reads (each waits out transient faults: `storage.retried`); a local file's by `pread`
-  on one descriptor."""
-  local = None if fs.is_uri(path) else open(path, "rb")  # pylint: disable=consider-using-with
-  try:
-    position = start
-    while stop is None or position < stop:
-      want = _SCAN_CHUNK if stop is None else min(_SCAN_CHUNK, stop - position)
-      chunk = (os.pread(local.fileno(), want, position) if local is not None else
-               fs.read_range(path, position, want))
-      if not chunk:
-        return
-      yield position, chunk
-      position += len(chunk)
-  finally:
-    if local is not None:
-      local.close()
+  """(offset, bytes) of [start, stop) in pieces of `_SCAN_CHUNK`, by ranged reads (an
+  object's each waits out transient faults: `storage.retried`)."""
+  position = start
+  while stop is None or position < stop:
+    want = _SCAN_CHUNK if stop is None else min(_SCAN_CHUNK, stop - position)
+    chunk = fs.read_range(path, position, want)
+    if not chunk:
+      return
+    yield position, chunk
+    position += len(chunk)
 
 
 def line_starts_from_ends(ends: Sequence[np.ndarray], size: int) -> np.ndarray:
@@ -521,7 +503,9 @@ class LineIndex:
   caller read it already (on a bucket, at the same time as `info`)."""
 
   def __init__(self, path: str, info: fs.FileInfo | None = None,
-               stamp: Callable[[], bytes] | None = None):
+               stamp: Callable[[], bytes] | None = None, content: bytes | None = None):
+    """`content`: the file's bytes, when the caller holds them (of `info`): a scan reads
+    them instead of the file."""
     self.path = path
     self._lines: NpyRange | None = None
     self._starts: np.ndarray | None = None
@@ -529,7 +513,10 @@ class LineIndex:
     try:
       meta = json.loads((stamp or functools.partial(read_line_index_stamp, path))())
     except FileNotFoundError:
-      self._starts = scan_line_starts(path, size=None if info is None else info.size)
+      if content is not None:
+        self._starts = line_starts_from_ends([_newline_ends(content, 0)], len(content))
+      else:
+        self._starts = scan_line_starts(path, size=None if info is None else info.size)
       self.count = len(self._starts) - 1
       if self.count >= WARN_LINES:
         _warn_once(path, f"scans its {self.count:,} lines for their offsets")

@@ -6,7 +6,7 @@ import numpy as np
 
 from bagel_grain import fs
 from bagel_grain.config import load_config
-from bagel_grain.sources import identity, sidecar
+from bagel_grain.sources import identity, parquet_footer, sidecar
 from bagel_grain.tooling import beam_index
 from beam_helpers import MULTI, beam_cli, demo_copy
 
@@ -81,7 +81,7 @@ def _with_stamps_of(local, remote) -> bytes:
   for info in fs.list_file_infos(remote, ".parquet"):
     probe = identity.probe(str(local / info.base_name), "parquet")
     files.append((info.base_name, dataclasses.replace(identity.of_listing(info), probe=probe)))
-  facts = [sidecar.ParquetFileFacts.of_footer(sidecar.read_footer(str(local / f[0])))
+  facts = [sidecar.ParquetFileFacts.of_footer(parquet_footer.read(str(local / f[0]), at_build=True))
            for f in files]
   return sidecar.parquet_index_bytes(files, facts)
 
