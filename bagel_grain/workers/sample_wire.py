@@ -30,8 +30,10 @@ from bagel_grain.sample import SampleKey
 MAGIC = b"BGS1"  # a pickle starts with b"\x80"
 _FIXED = struct.Struct("<4sqqqqqIII")
 _LENGTH = struct.Struct("<I")
+_MAX_DIMS = 4
+_ARRAY = struct.Struct(f"<4sB{_MAX_DIMS}q")  # dtype.str, ndim, shape (padded)
 _FIELDS = tuple(f.name for f in dataclasses.fields(SampleLayout) if f.name != "vae_images")
-_DTYPES: dict[str, np.dtype] = {}
+_DTYPES: dict[bytes, np.dtype] = {}
 
 
 def _text(value: str) -> bytes:
@@ -55,12 +57,13 @@ def encode(value) -> tuple[bytes, list[pickle.PickleBuffer]] | None:
   for array in arrays:
     if id(array) in distinct:
       continue
-    if type(array) is not np.ndarray or not array.flags.c_contiguous or array.dtype.hasobject:
+    if (type(array) is not np.ndarray or not array.flags.c_contiguous
+        or array.dtype.hasobject or array.ndim > _MAX_DIMS or len(array.dtype.str) > 4):
       return None
     distinct[id(array)] = len(buffers)
     buffers.append(pickle.PickleBuffer(array))
-    parts.append(_text(array.dtype.str) + struct.pack(f"<B{array.ndim}q", array.ndim,
-                                                       *array.shape))
+    shape = array.shape + (0,) * (_MAX_DIMS - array.ndim)
+    parts.append(_ARRAY.pack(array.dtype.str.encode(), array.ndim, *shape))
   header = [_FIXED.pack(MAGIC, *scalars, len(layout.vae_images), len(buffers),
                         len(value.notes)), _text(key.record)]
   header += [_text(note.value) for note in value.notes]
@@ -73,32 +76,35 @@ def is_sample(payload: bytes) -> bool:
   return payload[:4] == MAGIC
 
 
+def _made(cls, fields: dict):
+  """An instance of a (frozen) dataclass with `fields`, made as unpickling makes it."""
+  instance = object.__new__(cls)
+  instance.__dict__.update(fields)
+  return instance
+
+
 def decode(payload: bytes, buffers: Sequence) -> PreparedSample:
   """The sample `encode` described; its arrays are read-only views of `buffers`
   (numpy arrays of bytes, or bytes)."""
   _, group, index, epoch, packed_size, image_tokens, n_vae, n_arrays, n_notes = (
       _FIXED.unpack_from(payload))
   at = _FIXED.size
-
-  def text() -> str:
-    nonlocal at
+  texts = []
+  for _ in range(1 + n_notes):
     (n,) = _LENGTH.unpack_from(payload, at)
+    texts.append(bytes(payload[at + 4:at + 4 + n]).decode("utf-8", "surrogatepass"))
     at += 4 + n
-    return bytes(payload[at - n:at]).decode("utf-8", "surrogatepass")
-
-  record = text()
-  notes = tuple(Note(text()) for _ in range(n_notes))
+  end = at + n_arrays * _ARRAY.size
   arrays = []
-  for buffer in buffers[:n_arrays]:
-    name = text()
-    dtype = _DTYPES.get(name) or _DTYPES.setdefault(name, np.dtype(name))
-    ndim = payload[at]
-    shape = struct.unpack_from(f"<{ndim}q", payload, at + 1)
-    at += 1 + 8 * ndim
-    flat = np.frombuffer(buffer, np.uint8) if not isinstance(buffer, np.ndarray) else buffer
-    arrays.append(flat.view(dtype).reshape(shape))
-  slots = struct.unpack_from(f"<{len(_FIELDS) + n_vae}I", payload, at)
-  fields = [arrays[i] for i in slots]
-  layout = SampleLayout(**dict(zip(_FIELDS, fields)), vae_images=tuple(fields[len(_FIELDS):]))
-  return PreparedSample(SampleKey(group, index, epoch, record), packed_size, layout,
-                        image_tokens, notes)
+  for (code, ndim, *shape), buffer in zip(_ARRAY.iter_unpack(payload[at:end]), buffers):
+    dtype = _DTYPES.get(code)
+    if dtype is None:
+      dtype = _DTYPES[code] = np.dtype(code.rstrip(b"\0").decode())
+    arrays.append(np.ndarray(shape[:ndim], dtype, buffer))
+  fields = [arrays[i] for i in struct.unpack_from(f"<{len(_FIELDS) + n_vae}I", payload, end)]
+  layout = dict(zip(_FIELDS, fields))
+  layout["vae_images"] = tuple(fields[len(_FIELDS):])
+  key = _made(SampleKey, {"group": group, "index": index, "epoch": epoch, "record": texts[0]})
+  return _made(PreparedSample, {
+      "key": key, "packed_size": packed_size, "layout": _made(SampleLayout, layout),
+      "image_tokens": image_tokens, "notes": tuple(Note(t) for t in texts[1:])})
