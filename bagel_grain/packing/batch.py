@@ -173,7 +173,8 @@ class BatchIterator(StageIterator):
     """Rows per batch."""
     return self._batch_size
 
-  def _write(self, buffer, b: int, layouts, copies: Copies | None) -> None:
+  def _write(self, buffer, b: int, layouts, copies: Any) -> None:
+    """Writes row `b`; `copies` (the fetcher's `batch_copies`, or None) takes its pixel copies."""
     began = time.thread_time()
     buffer.extents[b] = write_row(batch_row(buffer.arrays, b), layouts,
                                   previous=buffer.extents[b],
