@@ -36,7 +36,6 @@ from bagel_grain.packing.shards import (InterleavePosition, ShardInterleaveDatas
 from bagel_grain.packing.stage import StageIterator, interrupts_held
 from bagel_grain.sources.manifest import Manifest
 from bagel_grain.sources.records import EraStart
-from bagel_grain.workers.arena import Copies
 
 SampleKeys = tuple[tuple[str, int, int, str], ...]
 # The rows again on other record sets, and where each later set starts per shard (pipeline).
@@ -143,9 +142,9 @@ class BatchIterator(StageIterator):
     began = time.thread_time()
     fetcher = getattr(self._rows, "fetcher", None)
     if getattr(fetcher, "workers", 0):  # pixels copied by the workers that hold them
-      self._buffers.share()
+      self._buffers.share(fetcher.make_arena)
     buffer = self._buffers.take()  # dropped, not reused, if this raises before hand_out
-    copies = (Copies(self._buffers.arena, buffer.slot, fetcher)
+    copies = (fetcher.batch_copies(self._buffers.arena, buffer.slot)
               if buffer.slot is not None and getattr(fetcher, "workers", 0) else None)
     self._cpu["hand_off"] += time.thread_time() - began
     keys = []
@@ -174,7 +173,8 @@ class BatchIterator(StageIterator):
     """Rows per batch."""
     return self._batch_size
 
-  def _write(self, buffer, b: int, layouts, copies: Copies | None) -> None:
+  def _write(self, buffer, b: int, layouts, copies: Any) -> None:
+    """Writes row `b`; `copies` (the fetcher's `batch_copies`, or None) takes its pixel copies."""
     began = time.thread_time()
     buffer.extents[b] = write_row(batch_row(buffer.arrays, b), layouts,
                                   previous=buffer.extents[b],

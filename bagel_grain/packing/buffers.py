@@ -30,12 +30,12 @@ from __future__ import annotations
 import collections
 import dataclasses
 import sys
+from typing import Any, Callable
 
 import numpy as np
 
 from bagel_grain.packed_row import PackedRow
 from bagel_grain.packing.row import EMPTY, PIXELS, Capacities, Extent, empty_row
-from bagel_grain.workers.arena import Arena
 
 # The pool keeps the buffers of the last few batches: one the caller still holds while
 # it asks for the next, one or two in a prefetch queue, and the one being written.
@@ -83,19 +83,21 @@ class BatchBuffers:
     self._capacities, self._batch_size = capacities, batch_size
     self._pool: collections.deque[BatchBuffer] = collections.deque(maxlen=keep)
     self.reused = self.allocated = 0
-    self.arena: Arena | None = None  # see share()
+    self.arena: Any = None  # see share()
     self._shared = False
 
-  def share(self, slots: int | None = None):
-    """From now on, fresh buffers' pixel arrays go in slots of a shared arena (`slots`, by
-    default the pool's size and two the caller may hold), while one is free. Returns the
-    arena, or None where shared memory cannot be had (asked once)."""
+  def share(self, make_arena: Callable[[dict, int], Any]):
+    """From now on, fresh buffers' pixel arrays go in slots of a shared arena while one is
+    free: `make_arena(specs, slots)` (from whoever runs the processes that share it, e.g.
+    `workers.Fetcher.make_arena`) makes it for the pixel arrays' `{name: (shape, dtype)}`,
+    with the pool's size and two the caller may hold as slots; it has `take()`, giving
+    `(slot, pixel arrays)` or None. Returns the arena, or None where shared memory cannot
+    be had (asked once)."""
     if not self._shared:
       self._shared = True
       shapes = empty_row(self._capacities, (self._batch_size,))
-      self.arena = Arena.create({name: (shapes[name].shape, shapes[name].dtype)
-                                 for name in PIXELS},
-                                (self._pool.maxlen or KEEP) + 2 if slots is None else slots)
+      self.arena = make_arena({name: (shapes[name].shape, shapes[name].dtype)
+                               for name in PIXELS}, (self._pool.maxlen or KEEP) + 2)
     return self.arena
 
   def take(self) -> BatchBuffer:

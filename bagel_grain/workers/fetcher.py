@@ -53,6 +53,7 @@ from bagel_grain.config import PipelineConfig
 from bagel_grain.errors import StorageUnavailableError
 from bagel_grain.sources import readahead
 from bagel_grain.sources.readahead import close_read_ahead
+from bagel_grain.workers import arena as arenas
 from bagel_grain.workers.process import GUARD_HINT, Worker, WorkerError, recv, start_workers
 
 _MIN_START_TIMEOUT_S = 120.0  # importing the main script on a busy host can take that long
@@ -289,6 +290,15 @@ class Fetcher:
             "or raise `element_timeout_s` if elements this slow are expected.")
 
   # -- the batch's copies (workers/arena.py) ------------------------------------
+
+  def make_arena(self, specs: dict, slots: int) -> arenas.Arena | None:
+    """A shared arena for batch buffers' pixel arrays, which these workers copy into
+    (`packing.buffers.BatchBuffers.share`), or None where the system has none."""
+    return arenas.Arena.create(specs, slots)
+
+  def batch_copies(self, arena: arenas.Arena, slot: int) -> arenas.Copies:
+    """The copies of one batch's pixels into `slot` of `arena`, done by these workers."""
+    return arenas.Copies(arena, slot, self)
 
   def slab_of(self, array: Any) -> tuple[int, tuple] | None:
     """(the worker, where in its slab) for an array that lies in a worker's slab, else None."""

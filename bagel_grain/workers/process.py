@@ -1,5 +1,6 @@
 """Worker processes: how one is spawned, started and told its jobs, and the wire format
-of its results (pickle protocol 5, arrays out of band: in the worker's shared-memory
+of its results (a prepared sample as a struct header, `workers/sample_wire.py`, anything
+else as pickle protocol 5; arrays out of band either way: in the worker's shared-memory
 slab, `workers/slab.py`, or where it has no room, over the worker's socket).
 
 Start-up: a worker is spawned with nothing but its socket (multiprocessing writes
@@ -41,7 +42,7 @@ from typing import Any
 import numpy as np
 
 from bagel_grain import c_heap, held_memory, interpreter_exit, storage
-from bagel_grain.workers import slab as slabs
+from bagel_grain.workers import sample_wire, slab as slabs
 from bagel_grain.sources import readahead
 from bagel_grain.errors import BagelGrainError, StorageUnavailableError
 
@@ -73,16 +74,21 @@ def _held_memory() -> dict[str, int]:
 def send(conn: Connection, status: str, job: tuple[int, int], value: Any,
          spent: storage.ElementStorage, slab: slabs.WorkerSlab | None = None,
          lock: threading.Lock | None = None) -> None:
-  """Pickle protocol 5 with the arrays' buffers out of band: copied once into `slab` when
-  it has room (the main process maps it), else sent over the socket; never into the pickle.
+  """A prepared sample as a struct header and its arrays' buffers (`sample_wire`), anything
+  else as pickle protocol 5 with the arrays' buffers out of band: the buffers copied once
+  into `slab` when it has room (the main process maps it), else sent over the socket.
 
   `status` is "ok" (value: the element), "retry" (value: the StorageUnavailableError
   that a later attempt may not meet) or "error" (value: a traceback, the stream stops);
   `spent` is what storage cost computing it. The header also carries where the buffers
   lie in the slab (or None) and what the worker holds (`held_memory.snapshot()`, at
   most a second old), for reports."""
-  buffers: list[pickle.PickleBuffer] = []
-  payload = pickle.dumps(value, protocol=5, buffer_callback=buffers.append)
+  encoded = sample_wire.encode(value) if status == "ok" else None
+  if encoded is not None:
+    payload, buffers = encoded
+  else:
+    buffers: list[pickle.PickleBuffer] = []
+    payload = pickle.dumps(value, protocol=5, buffer_callback=buffers.append)
   placed = slab.place(buffers) if slab is not None and buffers else None
   with lock or contextlib.nullcontext():  # the copies' acknowledgements share the socket
     conn.send((status, job, len(buffers), spent.retries, spent.wait_s, placed, _held_memory(),
@@ -105,7 +111,10 @@ def recv(conn: Connection, slab: slabs.MainSlab | None = None
     buffers = slab.buffers(placed)
   else:
     buffers = [conn.recv_bytes() for _ in range(count)]
-  value = pickle.loads(payload, buffers=buffers)
+  if sample_wire.is_sample(payload):
+    value = sample_wire.decode(payload, buffers)
+  else:
+    value = pickle.loads(payload, buffers=buffers)
   return status, tuple(job), value, storage.ElementStorage(retries, wait_s), held
 
 
