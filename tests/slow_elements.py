@@ -1,4 +1,5 @@
-"""A dataset whose elements never finish in worker processes (for tests/test_workers_fetcher.py).
+"""Datasets for tests/test_workers_*.py: elements that never finish in worker processes, or
+say what a worker imported.
 
 A module of its own, not a test module: spawned workers import it by name.
 """
@@ -40,3 +41,20 @@ class FailsWhileDown:
     if os.path.exists(self.down):
       raise StorageUnavailableError(f"element {index}", "OSError: connection refused", 1.0, 3)
     return index
+
+
+class ModulesLoaded:
+  """Element i: the computing process's pid, then which of `names` it has imported (1 or 0
+  each); with `import_first`, it imports that module first."""
+
+  def __init__(self, names: tuple[str, ...], import_first: str | None = None):
+    self.names, self.import_first = names, import_first
+
+  def __len__(self) -> int:
+    return 10_000
+
+  def __getitem__(self, index: int) -> list[int]:
+    if self.import_first:
+      __import__(self.import_first)
+    import sys  # pylint: disable=import-outside-toplevel
+    return [os.getpid()] + [int(name in sys.modules) for name in self.names]

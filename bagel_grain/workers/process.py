@@ -42,7 +42,7 @@ from typing import Any
 import numpy as np
 
 from bagel_grain import c_heap, held_memory, interpreter_exit, storage
-from bagel_grain.workers import sample_wire, slab as slabs
+from bagel_grain.workers import entry, sample_wire, slab as slabs
 from bagel_grain.sources import readahead
 from bagel_grain.errors import BagelGrainError, StorageUnavailableError
 
@@ -240,7 +240,7 @@ class Worker:
 
   def __init__(self, ctx):
     self.conn, child = ctx.Pipe()
-    self.process = ctx.Process(target=_worker_main, args=(child,), daemon=True)
+    self.process = ctx.Process(target=entry.worker_main, args=(child,), daemon=True)
     self.process.start()
     _lower_priority(self.process.pid)
     child.close()
