@@ -7,8 +7,9 @@ without importing Grain.
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from bagel_grain.lazy_names import lazy_getattr
 
 if TYPE_CHECKING:
   from bagel_grain.config import PipelineConfig, load_config
@@ -27,13 +28,7 @@ _HOMES = {
 }
 __all__ = sorted(_HOMES)
 
-
-def __getattr__(name: str) -> Any:
-  if name not in _HOMES:
-    raise AttributeError(f"module 'bagel_grain' has no attribute {name!r}")
-  value = getattr(importlib.import_module(_HOMES[name]), name)
-  globals()[name] = value
-  return value
+__getattr__ = lazy_getattr(__name__, _HOMES, globals())
 
 
 def __dir__() -> list[str]:
