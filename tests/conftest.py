@@ -78,3 +78,15 @@ def pytest_collection_modifyitems(items):
     module = item.module.__name__.rpartition(".")[2] if item.module else ""
     if module in ONE_WORKER_MODULES:
       item.add_marker(pytest.mark.xdist_group(module))
+
+
+@pytest.fixture
+def slab_pair():
+  """A 1 MiB slab as a worker and as the main process map it (skipped without memfd)."""
+  from bagel_grain.workers import slab as slabs
+  fd = slabs.create(1 << 20)
+  if fd is None:
+    pytest.skip("no memfd on this system")
+  pair = slabs.WorkerSlab(os.dup(fd), 1 << 20), slabs.MainSlab(fd, 1 << 20)
+  os.close(fd)
+  return pair

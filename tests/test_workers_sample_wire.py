@@ -2,7 +2,6 @@
 
 import dataclasses
 import gc
-import os
 import pickle
 
 import numpy as np
@@ -12,7 +11,6 @@ from packer_samples import make_sample
 from bagel_grain.drops import DropReason, Note
 from bagel_grain.packing.layout import SampleLayout
 from bagel_grain.workers import sample_wire
-from bagel_grain.workers import slab as slabs
 
 
 def assert_same(got, want):
@@ -47,12 +45,8 @@ def test_an_image_shared_by_two_fields_stays_one_array():
   assert got.layout.vae_images[0] is got.layout.vae_images[1]
 
 
-def test_a_sample_in_the_slab_is_read_only_views_that_hold_its_region():
-  fd = slabs.create(1 << 20)
-  if fd is None:
-    pytest.skip("no memfd on this system")
-  worker, main = slabs.WorkerSlab(os.dup(fd), 1 << 20), slabs.MainSlab(fd, 1 << 20)
-  os.close(fd)
+def test_a_sample_in_the_slab_is_read_only_views_that_hold_its_region(slab_pair):
+  worker, main = slab_pair
   sample = make_sample(1, 3, 9, vit=True, vae=True)
   payload, buffers = sample_wire.encode(sample)
   placed = worker.place(buffers)

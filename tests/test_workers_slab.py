@@ -78,12 +78,8 @@ def test_regions_are_first_fit_and_merge_when_freed():
   assert regions.take(1024) == 0 and regions.taken_bytes == 1024
 
 
-def test_an_element_placed_in_a_slab_is_read_only_views_whose_region_returns_when_dropped():
-  fd = slabs.create(1 << 20)
-  if fd is None:
-    pytest.skip("no memfd on this system")
-  worker, main = slabs.WorkerSlab(os.dup(fd), 1 << 20), slabs.MainSlab(fd, 1 << 20)
-  os.close(fd)
+def test_an_element_placed_in_a_slab_is_read_only_views_whose_region_returns_when_dropped(slab_pair):
+  worker, main = slab_pair
   value = {"image": np.arange(3 * 5 * 7, dtype=np.uint8).reshape(3, 5, 7),
            "ids": np.arange(9, dtype=np.int32), "text": "a caption"}
   buffers = []
