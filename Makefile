@@ -49,8 +49,12 @@ bench: .bench_data/.complete
 
 # The main suite does not collect tests/beam (pyproject's pytest options); the Beam venv
 # runs it after.
+# `--dist loadscope` sends each module whole to one xdist worker, so a module-scoped
+# fixture (an S3/GCS server, a multi-process training) is set up once. (`loadgroup`
+# does nothing under pytest 9.2 with xdist 3.8: its group suffix never reaches the
+# node id, so the tests of one module were spread over both workers.)
 test: $(STAMP) $(BEAM_STAMP)
-	$(PY) -m pytest -x -n auto --dist loadgroup --durations=25 tests
+	$(PY) -m pytest -x -n auto --dist loadscope --durations=25 tests
 	$(BEAM_VENV)/bin/python -m pytest -x -p no:cacheprovider tests/beam
 
 clean:

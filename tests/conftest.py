@@ -63,23 +63,6 @@ def demo_epoch(demo_config, demo_tokenizer):
   return epoch
 
 
-# Modules whose module-scoped fixtures start servers or run multi-process trainings: under
-# `pytest -n` (`--dist loadgroup`) each runs whole in one worker, so a fixture is set up
-# once. Spread over both workers, the `bucket` fixture alternated between S3 and GCS and was
-# set up 34 times instead of 2 (142 s of the suite's setup time).
-ONE_WORKER_MODULES = frozenset({
-    "test_object_store", "test_object_store_writes", "test_video_in_buckets",
-    "test_ledger", "test_jax_elastic", "test_jax_multiprocess", "test_pipeline_resume",
-})
-
-
-def pytest_collection_modifyitems(items):
-  for item in items:
-    module = item.module.__name__.rpartition(".")[2] if item.module else ""
-    if module in ONE_WORKER_MODULES:
-      item.add_marker(pytest.mark.xdist_group(module))
-
-
 @pytest.fixture
 def slab_pair():
   """A 1 MiB slab as a worker and as the main process map it (skipped without memfd)."""
