@@ -39,8 +39,13 @@ def small_demo_config(demo_dir: Path, path: Path, **fields) -> Path:
   return path
 
 
+# A guard against a hang, not a speed bound: on 2 loaded cores (load 15) one run of 3
+# processes restoring a checkpoint took 130 s.
+PROCESS_TIMEOUT_S = 300
+
+
 def run_processes(worker: Path, num_processes: int, args: Sequence[str], *,
-                  timeout_s: float) -> None:
+                  timeout_s: float = PROCESS_TIMEOUT_S) -> None:
   """Runs `worker PROCESS_ID NUM_PROCESSES PORT *args` as one localhost JAX cluster of
   2 CPU devices per process; fails the test with the log of a process that failed."""
   port = free_port()

@@ -19,7 +19,6 @@ from bagel_grain.jax.checkpoint import ShardStatesHandler, ShardStatesRestore, S
 from jax_cluster import run_processes, small_demo_config
 
 WORKER = Path(__file__).resolve().parent / "elastic_worker.py"
-TIMEOUT_S = 60
 SHARDS = 6
 STOP = 2  # batches each saving process packs before the checkpoint
 
@@ -39,9 +38,9 @@ def resized(demo_dir, tmp_path_factory):
   out = tmp_path_factory.mktemp("elastic")
   config = small_demo_config(demo_dir, out / "config.yaml", num_epochs=1,
                              logical_shards=SHARDS)
-  run_processes(WORKER, 2, [config, out, "save", STOP], timeout_s=TIMEOUT_S)
-  run_processes(WORKER, 1, [config, out, "restore", 0], timeout_s=TIMEOUT_S)
-  run_processes(WORKER, 3, [config, out, "restore", 0], timeout_s=TIMEOUT_S)
+  run_processes(WORKER, 2, [config, out, "save", STOP])
+  run_processes(WORKER, 1, [config, out, "restore", 0])
+  run_processes(WORKER, 3, [config, out, "restore", 0])
   cfg = load_config(config)
   it = iter(build_pipeline(cfg, load_tokenizer(cfg.tokenizer_path), workers=0))
   try:

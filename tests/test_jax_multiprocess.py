@@ -11,7 +11,6 @@ import pytest
 from jax_cluster import run_processes, small_demo_config
 
 WORKER = Path(__file__).resolve().parent / "multiprocess_worker.py"
-TIMEOUT_S = 120
 NUM_PROCESSES = 2
 
 
@@ -19,7 +18,7 @@ NUM_PROCESSES = 2
 def worker_results(demo_dir, tmp_path_factory):
   out = tmp_path_factory.mktemp("multiprocess")
   config = small_demo_config(demo_dir, out / "config.yaml")
-  run_processes(WORKER, NUM_PROCESSES, [config, out], timeout_s=TIMEOUT_S)
+  run_processes(WORKER, NUM_PROCESSES, [config, out])
   return [json.loads((out / f"process_{i}.json").read_text()) for i in range(NUM_PROCESSES)]
 
 

@@ -30,7 +30,6 @@ from bagel_grain.tooling.replay import replay
 from jax_cluster import run_processes, small_demo_config
 
 WORKER = Path(__file__).resolve().parent / "ledger_worker.py"
-TIMEOUT_S = 120
 STEPS, EVERY = 60, 10
 
 
@@ -203,9 +202,9 @@ def elastic_run(demo_dir, tmp_path_factory):
   raw["grouped_datasets"]["t2i_pretrain"]["weight"] = 4
   stage = out / "stage2.yaml"
   stage.write_text(yaml.safe_dump(raw))
-  run_processes(WORKER, 2, [config, out, "A", -1, 35], timeout_s=TIMEOUT_S)
-  run_processes(WORKER, 1, [config, out, "B", 30, 47], timeout_s=TIMEOUT_S)
-  run_processes(WORKER, 2, [stage, out, "C", 40, 60, "allow_changes"], timeout_s=TIMEOUT_S)
+  run_processes(WORKER, 2, [config, out, "A", -1, 35])
+  run_processes(WORKER, 1, [config, out, "B", 30, 47])
+  run_processes(WORKER, 2, [stage, out, "C", 40, 60, "allow_changes"])
   phases = {}
   for name, processes in (("A", 2), ("B", 1), ("C", 2)):
     taken = collections.defaultdict(dict)
