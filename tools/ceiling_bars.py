@@ -46,15 +46,20 @@ _STATUS = ("VmHWM", "RssAnon", "RssShmem")  # the lines of `status_mib` kept
 class _Peaks:
   """Peaks of each `_STATUS` line, for this process and each child, sampled in a thread."""
 
-  def __init__(self, interval: float = 0.1):
+  def __init__(self, pid: int | None = None, interval: float = 0.1):
     import psutil  # pylint: disable=import-outside-toplevel
-    self._me, self._stop, self._interval = psutil.Process(), threading.Event(), interval
+    self._me, self._stop, self._interval = psutil.Process(pid), threading.Event(), interval
     self.peaks: dict[int, dict[str, float]] = {}
     self._thread = threading.Thread(target=self._run, daemon=True)
     self._thread.start()
 
   def _sample(self) -> None:
-    for pid in [self._me.pid] + [c.pid for c in self._me.children(recursive=True)]:
+    import psutil  # pylint: disable=import-outside-toplevel
+    try:
+      children = self._me.children(recursive=True)
+    except psutil.Error:  # the process has exited
+      return
+    for pid in [self._me.pid] + [c.pid for c in children]:
       seen = self.peaks.setdefault(pid, {})
       for key, value in (status_mib(pid) or {}).items():
         if key in _STATUS:
@@ -70,7 +75,7 @@ class _Peaks:
     self._thread.join()
     self._sample()
     mib = dict(self.peaks)
-    return {"main": [mib.pop(self._me.pid)],
+    return {"main": [mib.pop(self._me.pid, {})],
             "workers": [p for p in mib.values() if p.get("VmHWM", 0) > 100]}
 
 
@@ -99,7 +104,6 @@ def child(data: str, workers: int, rows: int, warmup: int, steady: bool = False)
   from bagel_grain.pipeline import build_pipeline, pipeline_stats
   from bagel_grain.tooling import bench
   cfg = load_shipped("bench", data)
-  peaks = _Peaks()
   it = iter(build_pipeline(cfg, bagel_grain.load_tokenizer(cfg.tokenizer_path), batch_size=1,
                            workers=workers))
   try:
@@ -148,8 +152,7 @@ def child(data: str, workers: int, rows: int, warmup: int, steady: bool = False)
           "cores": ours / wall,  # this run's processes, on average over the timed rows
           "other_cores": max(0.0, busy - ours) / wall,  # everything else on the machine
           "workers_up": up, "decoded_in_main": inline,
-          "parts_ms_per_row": {k: v / done * 1e3 for k, v in parts.items()},
-          "memory_mib": peaks.stop()}
+          "parts_ms_per_row": {k: v / done * 1e3 for k, v in parts.items()}}
 
 
 def _run(tree: Path, args: list[str]) -> dict:
@@ -170,9 +173,18 @@ def ceiling(tree: Path, data: Path, rows: int) -> dict:
 
 def pipeline(tree: Path, data: Path, workers: int, rows: int, warmup: int,
              steady: bool = False) -> dict:
-  done = _run(tree, [str(Path(__file__).resolve()), "--child", str(data), str(workers),
-                     str(rows), str(warmup)] + (["steady"] if steady else []))
-  return json.loads(done.stdout.strip().splitlines()[-1])
+  # Memory is sampled from here, not in the measured process: a sampler there (psutil
+  # walks every process of the machine to find children) cost it 5-9 ms of CPU per row.
+  args = [sys.executable, str(Path(__file__).resolve()), "--child", str(data), str(workers),
+          str(rows), str(warmup)] + (["steady"] if steady else [])
+  with subprocess.Popen(args, cwd=tree, env={**os.environ, "PYTHONPATH": str(tree)},
+                        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) as child_:
+    peaks = _Peaks(child_.pid)
+    out, err = child_.communicate()
+    memory = peaks.stop()
+  if child_.returncode:
+    raise RuntimeError(f"{args} on {tree} failed:\n{err[-3000:]}")
+  return {**json.loads(out.strip().splitlines()[-1]), "memory_mib": memory}
 
 
 def make_data(path: Path, mixture: bool) -> None:
