@@ -2,6 +2,8 @@
 
   python tools/ceiling_bars.py                      # this tree, against a24d1ac
   python tools/ceiling_bars.py --baseline none      # this tree only (quicker)
+  python tools/ceiling_bars.py --alone --steady     # on a shared machine (root); and 2
+                                                    # workers timed once they are up
 
 What it measures, each run a fresh interpreter with `PYTHONPATH` set to its tree, the
 runs of one kind alternating (variants and trees, their order flipped each round),
