@@ -2,6 +2,8 @@
 
   python tools/ceiling_bars.py                      # this tree, against a24d1ac
   python tools/ceiling_bars.py --baseline none      # this tree only (quicker)
+  python tools/ceiling_bars.py --alone --steady     # on a shared machine (root); and 2
+                                                    # workers timed once they are up
 
 What it measures, each run a fresh interpreter with `PYTHONPATH` set to its tree, the
 runs of one kind alternating (variants and trees, their order flipped each round),
@@ -46,15 +48,20 @@ _STATUS = ("VmHWM", "RssAnon", "RssShmem")  # the lines of `status_mib` kept
 class _Peaks:
   """Peaks of each `_STATUS` line, for this process and each child, sampled in a thread."""
 
-  def __init__(self, interval: float = 0.1):
+  def __init__(self, pid: int | None = None, interval: float = 0.1):
     import psutil  # pylint: disable=import-outside-toplevel
-    self._me, self._stop, self._interval = psutil.Process(), threading.Event(), interval
+    self._me, self._stop, self._interval = psutil.Process(pid), threading.Event(), interval
     self.peaks: dict[int, dict[str, float]] = {}
     self._thread = threading.Thread(target=self._run, daemon=True)
     self._thread.start()
 
   def _sample(self) -> None:
-    for pid in [self._me.pid] + [c.pid for c in self._me.children(recursive=True)]:
+    import psutil  # pylint: disable=import-outside-toplevel
+    try:
+      children = self._me.children(recursive=True)
+    except psutil.Error:  # the process has exited
+      return
+    for pid in [self._me.pid] + [c.pid for c in children]:
       seen = self.peaks.setdefault(pid, {})
       for key, value in (status_mib(pid) or {}).items():
         if key in _STATUS:
@@ -70,31 +77,67 @@ class _Peaks:
     self._thread.join()
     self._sample()
     mib = dict(self.peaks)
-    return {"main": [mib.pop(self._me.pid)],
+    return {"main": [mib.pop(self._me.pid, {})],
             "workers": [p for p in mib.values() if p.get("VmHWM", 0) > 100]}
 
 
-def child(data: str, workers: int, rows: int, warmup: int) -> dict:
+def _busy_cores_s() -> float:
+  """CPU seconds the whole machine has spent busy (not idle, not waiting for I/O)."""
+  with open("/proc/stat", encoding="ascii") as f:
+    ticks = [int(x) for x in f.readline().split()[1:]]
+  return (sum(ticks) - ticks[3] - ticks[4]) / os.sysconf("SC_CLK_TCK")
+
+
+def _workers_up() -> bool:
+  """Whether every worker of this process's fetchers has loaded its datasets."""
+  from bagel_grain.workers import fetcher  # pylint: disable=import-outside-toplevel
+  return all(w.stage == "ready" for f in fetcher.live()
+             for w in f._workers)  # pylint: disable=protected-access
+
+
+def child(data: str, workers: int, rows: int, warmup: int, steady: bool = False) -> dict:
   """One run of the tree on `PYTHONPATH`: the bench config on `data`, batch size 1,
-  `warmup` rows then `rows` rows."""
+  `warmup` rows then `rows` rows; with `steady`, the warm-up rows are counted from
+  the moment every worker is up (the timed rows then exclude the workers' start-up)."""
   # pylint: disable=import-outside-toplevel,protected-access
+  import psutil
   import bagel_grain
   from bagel_grain.configs import load_shipped
   from bagel_grain.pipeline import build_pipeline, pipeline_stats
   from bagel_grain.tooling import bench
   cfg = load_shipped("bench", data)
-  peaks = _Peaks()
   it = iter(build_pipeline(cfg, bagel_grain.load_tokenizer(cfg.tokenizer_path), batch_size=1,
                            workers=workers))
   try:
     for _ in range(warmup):
       next(it)
+    if steady:
+      while not _workers_up():
+        next(it)
+      for _ in range(warmup):
+        next(it)
+    up = _workers_up()
+    kids = psutil.Process().children(recursive=True)
+
+    def kids_cpu() -> float:
+      total = 0.0
+      for kid in kids:
+        try:
+          t = kid.cpu_times()
+          total += t.user + t.system
+        except psutil.Error:
+          pass
+      return total
     parts0 = it.cpu_seconds() if hasattr(it, "cpu_seconds") else None
     threads0, done0 = bench._thread_cpu(), pipeline_stats(it)["rows"]
+    inline0 = bench._inline_work()[0] if hasattr(bench, "_inline_work") else 0
+    kids0, busy0 = kids_cpu(), _busy_cores_s()
     cpu, wall, tokens = time.process_time(), time.perf_counter(), 0
     while pipeline_stats(it)["rows"] - done0 < rows:
       tokens += int(next(it)["num_tokens"].sum())
     cpu, wall = time.process_time() - cpu, time.perf_counter() - wall
+    ours, busy = cpu + kids_cpu() - kids0, _busy_cores_s() - busy0
+    inline = (bench._inline_work()[0] if hasattr(bench, "_inline_work") else 0) - inline0
     done = pipeline_stats(it)["rows"] - done0
     threads = {k: v - threads0[k] for k, v in bench._thread_cpu().items()}
     if parts0 is not None:
@@ -107,8 +150,11 @@ def child(data: str, workers: int, rows: int, warmup: int) -> dict:
   return {"code": bagel_grain.__file__, "workers": workers, "rows": done, "wall_s": wall,
           "rows_per_s": done / wall, "tokens_per_s": tokens / wall,
           "main_cpu_ms_per_row": cpu / done * 1e3,
-          "parts_ms_per_row": {k: v / done * 1e3 for k, v in parts.items()},
-          "memory_mib": peaks.stop()}
+          "cpu_ms_per_row": ours / done * 1e3,  # main and workers
+          "cores": ours / wall,  # this run's processes, on average over the timed rows
+          "other_cores": max(0.0, busy - ours) / wall,  # everything else on the machine
+          "workers_up": up, "decoded_in_main": inline,
+          "parts_ms_per_row": {k: v / done * 1e3 for k, v in parts.items()}}
 
 
 def _run(tree: Path, args: list[str]) -> dict:
@@ -127,10 +173,20 @@ def ceiling(tree: Path, data: Path, rows: int) -> dict:
     return json.loads(Path(out.name).read_text(encoding="utf-8"))
 
 
-def pipeline(tree: Path, data: Path, workers: int, rows: int, warmup: int) -> dict:
-  done = _run(tree, [str(Path(__file__).resolve()), "--child", str(data), str(workers),
-                     str(rows), str(warmup)])
-  return json.loads(done.stdout.strip().splitlines()[-1])
+def pipeline(tree: Path, data: Path, workers: int, rows: int, warmup: int,
+             steady: bool = False) -> dict:
+  # Memory is sampled from here, not in the measured process: a sampler there (psutil
+  # walks every process of the machine to find children) cost it 5-9 ms of CPU per row.
+  args = [sys.executable, str(Path(__file__).resolve()), "--child", str(data), str(workers),
+          str(rows), str(warmup)] + (["steady"] if steady else [])
+  with subprocess.Popen(args, cwd=tree, env={**os.environ, "PYTHONPATH": str(tree)},
+                        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) as child_:
+    peaks = _Peaks(child_.pid)
+    out, err = child_.communicate()
+    memory = peaks.stop()
+  if child_.returncode:
+    raise RuntimeError(f"{args} on {tree} failed:\n{err[-3000:]}")
+  return {**json.loads(out.strip().splitlines()[-1]), "memory_mib": memory}
 
 
 def make_data(path: Path, mixture: bool) -> None:
@@ -175,13 +231,22 @@ def main() -> int:
   p.add_argument("--mixture-rows", type=int, default=120)
   p.add_argument("--ceiling-rows", type=int, default=200)
   p.add_argument("--warmup", type=int, default=3)
+  p.add_argument("--steady", action="store_true",
+                 help="also time 2 workers on the bench data from 3 rows after every worker "
+                 "is up (without the workers' start-up)")
+  p.add_argument("--alone", action="store_true",
+                 help="run in a session of its own whose scheduling group is at nice -20 "
+                 "(Linux autogroups; needs root or CAP_SYS_NICE): other sessions' jobs then "
+                 "get a few percent of the CPU, as if the machine were free")
   p.add_argument("--json", help="also write every run here")
-  p.add_argument("--child", nargs=4, help=argparse.SUPPRESS)
+  p.add_argument("--child", nargs="+", help=argparse.SUPPRESS)
   args = p.parse_args()
   if args.child:
-    data, workers, rows, warmup = args.child
-    print(json.dumps(child(data, int(workers), int(rows), int(warmup))))
+    data, workers, rows, warmup, *steady = args.child
+    print(json.dumps(child(data, int(workers), int(rows), int(warmup), steady == ["steady"])))
     return 0
+  if args.alone:
+    print(alone(), file=sys.stderr)
   start = time.perf_counter()
   data, mixture = Path(args.data).resolve(), Path(args.mixture).resolve()
   make_data(data, mixture=False)
@@ -207,6 +272,9 @@ def main() -> int:
                   t, data, w, args.rows, args.warmup)))
           plan.append(("mixture", "this tree", w, lambda w=w: pipeline(
               ROOT, mixture, w, args.mixture_rows, args.warmup)))
+          if args.steady and w:
+            plan.append(("bench data, workers up", "this tree", w, lambda w=w: pipeline(
+                ROOT, data, w, args.rows, args.warmup, steady=True)))
         for kind, name, w, measure in plan:
           got = measure()
           runs.setdefault((kind, name, w), []).append(got)
@@ -223,6 +291,20 @@ def main() -> int:
     Path(args.json).write_text(json.dumps({f"{k[0]}|{k[1]}|{k[2]}": v
                                            for k, v in runs.items()}, indent=1))
   return 0
+
+
+def alone() -> str:
+  """Moves this process into a session of its own (a new autogroup) at nice -20; its
+  children inherit it. Says what it did."""
+  try:
+    if os.getsid(0) != os.getpid():
+      os.setsid()
+    with open("/proc/self/autogroup", "w", encoding="ascii") as f:
+      f.write("-20")
+    with open("/proc/self/autogroup", encoding="ascii") as f:
+      return f"--alone: {f.read().strip()}"
+  except OSError as e:
+    return f"--alone not applied ({e}): other jobs share the CPU"
 
 
 def report(runs, args, load_before, load_after, seconds) -> str:
@@ -250,9 +332,24 @@ def report(runs, args, load_before, load_after, seconds) -> str:
                  f"{_median(two, 'main_cpu_ms_per_row'):.1f} ms ("
                  + ", ".join(f"{k} {v:.1f}" for k, v in parts.items()) + ") |")
     ratio = _median(two, "rows_per_s") / _median(zero, "rows_per_s")
+    cpu = ""
+    if "cores" in two[0]:  # the CPU of every process of the runs, and who else ran
+      cpu = (f"; CPU per row, all processes, {_median(two, 'cpu_ms_per_row'):.0f} / "
+             f"{_median(zero, 'cpu_ms_per_row'):.0f} ms; cores used {_median(two, 'cores'):.2f}"
+             f" / {_median(zero, 'cores'):.2f}, other jobs {_median(two, 'other_cores'):.2f} / "
+             f"{_median(zero, 'other_cores'):.2f}; decoded in the main process at 2 workers "
+             f"{_median(two, 'decoded_in_main'):.0f} samples")
     lines.append(f"| {kind}: 2 workers / 0 workers ({rows} rows) | >= 1.7x | this tree | "
                  f"{ratio:.2f}x ({_median(two, 'rows_per_s'):.2f} / "
-                 f"{_median(zero, 'rows_per_s'):.2f} rows/s) |")
+                 f"{_median(zero, 'rows_per_s'):.2f} rows/s{cpu}) |")
+    up = runs.get((f"{kind}, workers up", "this tree", 2))
+    if up:
+      lines.append(f"| {kind}: 2 workers after they are up / 0 workers ({rows} rows) | - | "
+                   f"this tree | {_median(up, 'rows_per_s') / _median(zero, 'rows_per_s'):.2f}x"
+                   f" ({_median(up, 'rows_per_s'):.2f} / {_median(zero, 'rows_per_s'):.2f} "
+                   f"rows/s; {_median(up, 'cpu_ms_per_row'):.0f} ms CPU per row; cores used "
+                   f"{_median(up, 'cores'):.2f}, other jobs {_median(up, 'other_cores'):.2f})"
+                   " |")
     for w, got in ((0, zero), (2, two)):
       lines.append(f"| {kind}, {w} workers: peak memory, MiB | <= 700 per process | this tree "
                    f"| {_memory(got)} |")
