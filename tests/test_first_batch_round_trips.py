@@ -29,11 +29,11 @@ from object_store import LocalObjectStore
 from shipped_demo import shipped_demo_raw
 
 # Build: the folders' listings, the JSONL's HEAD and its index stamp, together; the
-# parquet footers (the listing gave their sizes: no HEAD), `parquet_info` with the footers
-# of its group's first files, and the JSONL whole (small: its scan, tail and lines),
-# together. Iteration: every group's first elements at once (a parquet row group: its
-# column chunks in one request, its footer the build's; a JSONL line: in hand) with their
-# images. Before issue 28's round the demo took 20; 13 with the stream's identity (the
+# parquet files whole (a small dataset: in place of their footers; the listing gave their
+# sizes: no HEAD), `parquet_info`, and the JSONL whole (small: its scan, tail and lines),
+# together. Iteration: every group's first elements at once (a parquet row group: in hand,
+# or for a larger dataset its column chunks in one request, its footer the build's; a
+# JSONL line: in hand) with their images: the JSONL's images alone, now. Before issue 28's round the demo took 20; 13 with the stream's identity (the
 # manifests) read again after the build; 5 once the build's own reads made the identity;
 # now 3.
 MAX_SERIAL_ROUND_TRIPS = 3

@@ -106,6 +106,7 @@ def test_row_groups_of_one_object_are_read_at_once_by_several_threads(bucket, mo
   store, root = bucket
   for name, value in store.environment().items():
     monkeypatch.setenv(name, value)
+  ranged_parquet(monkeypatch)  # a dataset too large to be read whole at build
   source = dataset_source(f"{root}/t2i", None, ["image"])
   firsts = [int(s) for s in np.cumsum(source.block_sizes())[:2] - source.block_sizes()[:2]]
   both, met = threading.Barrier(2, timeout=20), []
@@ -311,7 +312,7 @@ def test_a_build_time_outage_past_the_deadline_is_a_storage_error_naming_the_obj
   proxy = store.fault_proxy()
   _through(proxy, store, monkeypatch)
   proxy.fault("503", seconds=60, match="t2i/part-00000.parquet")
-  monkeypatch.setattr(parquet_footer, "_KEPT", fresh_footers())  # no footer of a test before
+  whole_parquet(monkeypatch)  # no footer nor object held whole of a test before
   cfg = _epoch_config(root, demo_dir, storage_timeout_s=1.5)
   started = time.monotonic()
   with pytest.raises(StorageUnavailableError, match=r"reading \S*t2i/part-00000\.parquet: "):
@@ -702,6 +703,7 @@ def test_parquet_rows_are_read_pinned_to_the_listing(bucket, demo_dir, monkeypat
   store, _ = bucket
   for name, value in store.environment().items():
     monkeypatch.setenv(name, value)
+  ranged_parquet(monkeypatch)  # a dataset too large to be read whole at build
   first, second = sorted((demo_dir / "t2i").glob("*.parquet"))[:2]
   store.upload_file(first, "pinned_t2i/a.parquet")
   before = dataset_source(store.uri("pinned_t2i"), None, ["image"])
@@ -719,6 +721,19 @@ def test_parquet_rows_are_read_pinned_to_the_listing(bucket, demo_dir, monkeypat
 def fresh_footers():
   """An empty footer cache: a process that read none (a worker)."""
   return parquet_footer._Kept()  # pylint: disable=protected-access
+
+
+def ranged_parquet(monkeypatch) -> None:
+  """Parquet objects read by footer and row-group ranges, as a dataset too large to be read
+  whole at build is (`parquet_footer.WHOLE_OBJECT_BYTES`): none held by an earlier test."""
+  monkeypatch.setattr(parquet_footer, "WHOLE_OBJECT_BYTES", 0)
+  monkeypatch.setattr(parquet_footer, "_HELD", parquet_footer._Held())  # pylint: disable=protected-access
+
+
+def whole_parquet(monkeypatch) -> None:
+  """Small parquet datasets read whole at build, whatever earlier tests held or kept."""
+  monkeypatch.setattr(parquet_footer, "_HELD", parquet_footer._Held())  # pylint: disable=protected-access
+  monkeypatch.setattr(parquet_footer, "_KEPT", fresh_footers())
 
 
 def _requests_to(monkeypatch, name: str) -> list[str]:
@@ -741,6 +756,7 @@ def test_a_row_group_is_one_request_once_the_build_read_its_footer(bucket, demo_
   store, root = bucket
   for name, value in store.environment().items():
     monkeypatch.setenv(name, value)
+  ranged_parquet(monkeypatch)  # a dataset too large to be read whole at build
   local = dataset_source(str(demo_dir / "t2i"), None, ["image", "captions"])
   remote = dataset_source(f"{root}/t2i", None, ["image", "captions"])  # reads the footers
   seen = _requests_to(monkeypatch, "part-00000.parquet")
@@ -755,6 +771,7 @@ def test_a_row_group_read_elsewhere_reads_its_footer_once(bucket, demo_dir, monk
   store, root = bucket
   for name, value in store.environment().items():
     monkeypatch.setenv(name, value)
+  ranged_parquet(monkeypatch)  # a dataset too large to be read whole at build
   local = dataset_source(str(demo_dir / "t2i"), None, ["image", "captions"])
   remote = dataset_source(f"{root}/t2i", None, ["image", "captions"])
   monkeypatch.setattr(parquet_footer, "_KEPT", fresh_footers())
@@ -805,3 +822,47 @@ def test_a_jsonl_object_changed_during_the_build_keeps_no_tail_and_drops_its_lin
       source[0]  # pylint: disable=pointless-statement
   finally:
     store.upload_file(demo_dir / "vlm" / "sft.jsonl", "demo/vlm/sft.jsonl")
+
+
+@pytest.mark.parametrize("bucket", ["s3", "gcs"], indirect=True)
+def test_a_small_parquet_dataset_is_read_whole_at_build_and_its_rows_take_no_request(
+    bucket, demo_dir, monkeypatch):
+  # Before: a footer's range at build, then a request per row group (the first batch waited
+  # on one more round trip after the build). Now one pinned GET of each whole object.
+  store, root = bucket
+  for name, value in store.environment().items():
+    monkeypatch.setenv(name, value)
+  whole_parquet(monkeypatch)
+  size = (demo_dir / "t2i" / "part-00000.parquet").stat().st_size
+  assert size <= parquet_footer.WHOLE_OBJECT_BYTES
+  local = dataset_source(str(demo_dir / "t2i"), None, ["image", "captions"])
+  seen = _requests_to(monkeypatch, "part-00000.parquet")
+  remote = dataset_source(f"{root}/t2i", None, ["image", "captions"])
+  assert seen == [f"GET bytes=0-{size - 1}"], seen
+  assert [remote[i] for i in range(len(remote))] == [local[i] for i in range(len(local))]
+  assert len(seen) == 1, seen
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+@pytest.mark.parametrize("bucket", ["s3"], indirect=True)
+@pytest.mark.parametrize("held", [False, True])
+def test_a_parquet_object_changed_after_the_build_drops_its_rows_whatever_the_workers(
+    bucket, workers, held, demo_dir, demo_tokenizer, monkeypatch):
+  # Read by ranges (a large dataset), its rows are dropped; read whole by the build (a
+  # small one), they are the build's, in every process (the workers get the bytes with
+  # their sources).
+  store, root = bucket
+  _through(store.fault_proxy(), store, monkeypatch)
+  (whole_parquet if held else ranged_parquet)(monkeypatch)
+  name = "t2i/part-00000.parquet"
+  rows = pq.read_metadata(demo_dir / name).num_rows
+  it = iter(build_pipeline(_epoch_config(root, demo_dir), demo_tokenizer, batch_size=2,
+                           workers=workers))
+  try:
+    store.upload_file(demo_dir / "t2i" / "part-00001.parquet", f"demo/{name}")
+    batches = list(it)
+    drops = pipeline_stats(it)["drops"].get("t2i_pretrain") or {}
+    assert batches and drops == ({} if held else {"unreadable_file": rows})
+  finally:
+    it.close()
+    store.upload_file(demo_dir / name, f"demo/{name}")

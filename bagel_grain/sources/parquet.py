@@ -116,13 +116,14 @@ class ParquetCatalog:
                facts: dict[str, sidecar.ParquetFileFacts] | None = None,
                counts: dict[str, int] | None = None, counts_file: str | None = None,
                listed: Sequence[tuple[str, int]] = (),
-               pins: dict[str, fs.FileInfo] | None = None):
+               pins: dict[str, fs.FileInfo] | None = None, whole: bool = False):
     self.files, self.columns = list(files), list(columns)
     self.listed = tuple(listed)  # (name, size) of the folder's files, as the build listed them
     # file path -> the content checksum its sidecar index records (the manifest's)
     self.checksums = {path: f.identity.checksum() for path, f in (facts or {}).items()
                       if f.identity is not None and f.identity.checksum()}
     self.pins = dict(pins or {})  # file path -> its listing: what every read must find
+    self.whole = whole  # its files are read whole (`parquet_footer.read_whole`)
     self._facts = dict(facts or {})
     self._counts, self._counts_file = dict(counts or {}), counts_file
     missing = sorted({f for f in self.files if f not in self._facts and f not in self._counts})
@@ -137,7 +138,8 @@ class ParquetCatalog:
     with concurrent.futures.ThreadPoolExecutor(io_limits.FOOTER_THREADS) as pool:
       self._probe_pins(pool, paths)
       for path, meta in zip(paths, pool.map(
-          lambda p: parquet_footer.read(p, self.pins.get(p), at_build=True), paths)):
+          lambda p: parquet_footer.read(p, self.pins.get(p), at_build=True, whole=self.whole),
+          paths)):
         facts = sidecar.ParquetFileFacts.of_footer(meta)
         if path in self._counts and (self._counts[path] != len(facts.row_group_rows)
                                      or not np.all(facts.row_group_rows)):
@@ -210,6 +212,8 @@ def dataset_catalog(data_dir: str, num_used: int | None, columns: Sequence[str],
   names = [(i.base_name, int(i.size)) for i in listed]  # the manifest's: no second listing
   facts = sidecar.read_parquet_index(
       data_dir, listed, present=any(i.base_name == sidecar.PARQUET_INDEX for i in everything))
+  # Footers read at build: a small dataset in a bucket is read whole in their place.
+  whole = facts is None and parquet_footer.read_whole(listed)
   if facts is not None:
     for path, pin in pins.items():  # the index's probe: what a file whose time changes is
       if not fs.is_uri(path) and facts[path].identity.probe:
@@ -222,14 +226,15 @@ def dataset_catalog(data_dir: str, num_used: int | None, columns: Sequence[str],
   if parquet_info_path is not None:
     with concurrent.futures.ThreadPoolExecutor(io_limits.FOOTER_THREADS + 1) as pool:
       info = pool.submit(sidecar.read_parquet_info, parquet_info_path)
-      _footers_ahead(pool, files, pins)
+      _footers_ahead(pool, files, pins, whole)
       counts = sidecar.row_group_counts(files, info.result())
     return ParquetCatalog(files, columns, counts=counts, counts_file=parquet_info_path,
-                          listed=names, pins=pins)
-  return ParquetCatalog(files, columns, listed=names, pins=pins)
+                          listed=names, pins=pins, whole=whole)
+  return ParquetCatalog(files, columns, listed=names, pins=pins, whole=whole)
 
 
-def _footers_ahead(pool, files: Sequence[str], pins: dict[str, fs.FileInfo]) -> None:
+def _footers_ahead(pool, files: Sequence[str], pins: dict[str, fs.FileInfo],
+                   whole: bool = False) -> None:
   """On a bucket, the footers of the first files (at most `FOOTER_THREADS`), read while
   `parquet_info` is and kept (`parquet_footer.keep`): a single process's blocks need them
   next, one round trip later; a process whose share lies elsewhere spends requests of a
@@ -238,7 +243,7 @@ def _footers_ahead(pool, files: Sequence[str], pins: dict[str, fs.FileInfo]) -> 
 
   def read(path: str) -> None:
     try:
-      parquet_footer.read(path, pins.get(path), at_build=True)
+      parquet_footer.read(path, pins.get(path), at_build=True, whole=whole)
     except (DatasetError, OSError):
       pass
 
@@ -323,11 +328,17 @@ class ParquetRowSource:
     self._build()  # workers get the arrays, never the catalog
     state = self.__dict__.copy()
     state["_lock"], state["_loading"], state["_undecodable"] = None, {}, {}
+    # The objects the build read whole: every process reads the bytes the build saw.
+    state["_held"] = {path: data for path, pin in self._pins.items()
+                      if (data := parquet_footer.held(pin)) is not None}
     return state
 
   def __setstate__(self, state):
+    held = state.pop("_held", {})
     self.__dict__.update(state)
     self._lock = threading.Lock()
+    for path, data in held.items():
+      parquet_footer.hold(self._pins[path], data)
 
   def __len__(self) -> int:
     self._build()
@@ -386,9 +397,11 @@ class ParquetRowSource:
     pin = self._pins.get(path)
     meta = self._footer(path, pin)
     wanted = set(self._columns)  # a nested column is read through its leaves
-    span = None if meta is None or not fs.is_uri(path) else _chunk_span(meta, row_group,
-                                                                         wanted)
-    with fs.open_random_access(path, pin=pin, span=span) as f:
+    whole = parquet_footer.held(pin) if fs.is_uri(path) else None  # read whole at build
+    span = None if meta is None or whole is not None or not fs.is_uri(path) else _chunk_span(
+        meta, row_group, wanted)
+    with (pa.BufferReader(whole) if whole is not None
+          else fs.open_random_access(path, pin=pin, span=span)) as f:
       # pyarrow's ParquetFile takes no pool: its reader does (the class ParquetFile wraps).
       parquet = ParquetReader(memory_pool=_memory_pool())
       parquet.open(f, buffer_size=_BATCH_BYTES, pre_buffer=False, metadata=meta)
