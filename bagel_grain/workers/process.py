@@ -107,14 +107,15 @@ def recv(conn: Connection, slab: slabs.MainSlab | None = None
   if header[0] == "copied":
     return "copied", header[1], header[2], storage.ElementStorage(0, 0.0), None
   status, job, count, retries, wait_s, placed, held, payload = header
-  if placed is not None:
-    buffers = slab.buffers(placed)
+  if placed is not None and sample_wire.is_sample(payload):
+    value = sample_wire.decode(payload, *slab.region(placed))
   else:
-    buffers = [conn.recv_bytes() for _ in range(count)]
-  if sample_wire.is_sample(payload):
-    value = sample_wire.decode(payload, buffers)
-  else:
-    value = pickle.loads(payload, buffers=buffers)
+    buffers = slab.buffers(placed) if placed is not None else [
+        conn.recv_bytes() for _ in range(count)]
+    if sample_wire.is_sample(payload):
+      value = sample_wire.decode(payload, buffers)
+    else:
+      value = pickle.loads(payload, buffers=buffers)
   return status, tuple(job), value, storage.ElementStorage(retries, wait_s), held
 
 
