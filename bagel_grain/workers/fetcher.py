@@ -167,7 +167,7 @@ class Fetcher:
         for ahead in range(max(index, upto) + 1 if index > last else index + 1, ahead_to + 1):
           wanted = self._want(group, ahead) or wanted
         self._asked[group] = (index, ahead_to)
-        wake = wanted and self._dispatch_here()
+        wake = wanted and self._wake_once()
       else:  # the one asked for first, then the next ones
         for ahead in range(INLINE_AHEAD + 1):
           self._queue_inline(group, index + ahead, first=ahead == 0)
@@ -182,7 +182,7 @@ class Fetcher:
     keys = [(int(g), int(i)) for g, i in keys]
     with self._cond:
       wanted = [self._want(*key) for key in keys]
-      wake = self._pump is not None and any(wanted) and self._dispatch_here()
+      wake = self._pump is not None and any(wanted) and self._wake_once()
     if wake:
       os.write(self._wake, b"w")
     return [self._take(key) for key in keys]
@@ -195,16 +195,6 @@ class Fetcher:
       if key not in self._done and not self._assigned(key):
         self._pending.pop(key, None)
         self._done[key] = element
-
-  def _dispatch_here(self) -> bool:
-    """Hands out what is pending from this thread (the pump's `_dispatch`, under the same
-    lock), rather than waking the pump for it: a wake-up of the pump per element asked for
-    was a loop of the pump (poll, dispatch, deadlines) on top of the one per result. Whether
-    the caller must still wake the pump: when a worker it does not watch (nothing owed)
-    was given work (caller holds the lock)."""
-    unwatched = [w for w in self._workers if not (w.jobs or w.copies or w.stage != "ready")]
-    self._dispatch()
-    return any(w.jobs for w in unwatched) and self._wake_once()
 
   def _wake_once(self) -> bool:
     """Whether the caller should wake the pump: not if a wake it has not seen yet is under
