@@ -10,6 +10,7 @@ import pytest
 from packer_samples import make_sample
 from bagel_grain.drops import DropReason, Note
 from bagel_grain.packing.layout import SampleLayout
+from bagel_grain.packing.row import Usage
 from bagel_grain.workers import sample_wire
 
 
@@ -68,3 +69,31 @@ def test_anything_but_a_plain_prepared_sample_goes_as_a_pickle():
   assert sample_wire.encode(dataclasses.replace(sample, layout=strided)) is None
   assert sample_wire.encode(dataclasses.replace(sample, notes=("free text",))) is None
   assert not sample_wire.is_sample(pickle.dumps(sample, protocol=5))
+
+
+def test_the_sample_crosses_with_its_row_usage():
+  # The packer asks every sample's usage at once: it crosses in the header, worked out by
+  # the worker, rather than again in the main process.
+  sample = make_sample(1, 2, 11, vit=True, vae=True)
+  payload, buffers = sample_wire.encode(sample)
+  got = sample_wire.decode(payload, [bytes(b.raw()) for b in buffers])
+  assert "usage" in vars(got)  # set, not to be worked out on first use
+  assert got.usage == Usage.of(sample.layout) and type(got.usage) is Usage
+
+
+def test_a_sample_decoded_from_its_slab_region_is_views_of_that_region():
+  fd = slabs.create(1 << 20)
+  if fd is None:
+    pytest.skip("no memfd on this system")
+  worker, main = slabs.WorkerSlab(os.dup(fd), 1 << 20), slabs.MainSlab(fd, 1 << 20)
+  os.close(fd)
+  sample = make_sample(0, 5, 7, vit=True, vae=True)
+  payload, buffers = sample_wire.encode(sample)
+  placed = worker.place(buffers)
+  region, offsets = main.region(placed)
+  got = sample_wire.decode(payload, region, offsets)
+  assert_same(got, sample)
+  assert all(a.base is region for a in (got.layout.text_ids, *got.layout.vae_images))
+  del region, got
+  gc.collect()
+  assert main.take_freed() == [placed[0]]

@@ -9,6 +9,7 @@ new samples do not overwrite, so both give the same bits.
 from __future__ import annotations
 
 import dataclasses
+import operator
 from typing import Callable, Sequence
 
 import numpy as np
@@ -65,6 +66,10 @@ class Capacities:
 
   def overflows(self, usage: Usage) -> tuple[str, ...]:
     """Names of the capacities `usage` exceeds (empty when it fits): drop reasons."""
+    if (usage.tokens <= self.tokens and usage.vit_patches <= self.vit_patches
+        and usage.vae_tokens <= self.vae_tokens and usage.vae_images <= self.vae_images
+        and usage.splits <= self.splits and usage.vae_image_size <= self.vae_image_size):
+      return ()  # the usual answer, asked twice a sample: without a loop of getattr
     out = []
     for name in ("tokens", "vit_patches", "vae_tokens", "vae_images", "splits",
                  "vae_image_size"):
@@ -139,6 +144,18 @@ PIXELS = ("vit_patches", "vae_images")
 Copy = Callable[[np.ndarray, np.ndarray], None]
 _CONCATENATED = tuple(name for name in ROW_SPEC if name not in PIXELS
                       and name in SampleLayout.__dataclass_fields__)
+# Per concatenated field, the slot dimension its used prefix is counted in, and the count
+# of what the earlier samples hold its values are shifted by (None: not shifted), worked
+# out once rather than per row (`Field.symbols` splits a string at each call).
+_WRITTEN = tuple((name, ROW_SPEC[name].symbols[0], _SHIFTED_BY.get(name))
+                 for name in _CONCATENATED)
+_FIELDS_OF = operator.attrgetter(*_CONCATENATED)
+# Per field `_clear` resets (all but the counts and the VAE images): its slot dimension,
+# its fill (None: "L", the row's length) and whether it is a pixel field.
+_CLEARED = tuple((name, field.symbols[0],
+                  None if isinstance(field.fill, str) else field.fill, name in PIXELS)
+                 for name, field in ROW_SPEC.items()
+                 if field.symbols and name != "vae_images")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -186,12 +203,13 @@ def write_row(row: PackedRow, layouts: Sequence[SampleLayout], *,
   _clear(row, previous, extent, copy)
   used = dict(extent.used)
   shifts = _shifts(layouts)
-  for name in _CONCATENATED:
-    parts = [getattr(x, name) for x in layouts]
-    if name in _SHIFTED_BY:
-      parts = [p + s for p, s in zip(parts, shifts[_SHIFTED_BY[name]])]
+  # Per field, its parts (one attrgetter call per sample, not one getattr per field too).
+  columns = zip(*map(_FIELDS_OF, layouts)) if layouts else [()] * len(_WRITTEN)
+  for (name, symbol, shifted_by), parts in zip(_WRITTEN, columns):
+    if shifted_by is not None:
+      parts = [p + s for p, s in zip(parts, shifts[shifted_by])]
     array = row[name]
-    array[:used[ROW_SPEC[name].symbols[0]]] = concat(parts, array.dtype)
+    array[:used[symbol]] = concat(parts, array.dtype)
   lens = [x.num_tokens for x in layouts]
   row["segment_ids"][:used["L"]] = np.repeat(np.arange(1, len(layouts) + 1, dtype=np.int32), lens)
   _write_vit_patches(row, layouts, copy)
@@ -210,14 +228,12 @@ def _clear(row: PackedRow, previous: Extent, extent: Extent, copy: Copy) -> None
     return
   before, after = dict(previous.used), dict(extent.used)
   before["I"], after["I"] = len(previous.vae_hw), len(extent.vae_hw)
-  for name, field in ROW_SPEC.items():
-    if not field.symbols or name == "vae_images":
-      continue  # the counts are always written; the images below, slot by slot
-    old, new = before[field.symbols[0]], after[field.symbols[0]]
-    if old > new and name in PIXELS:
+  for name, symbol, fill, pixels in _CLEARED:  # the counts are always written; the
+    old, new = before[symbol], after[symbol]  # images below, slot by slot
+    if old > new and pixels:
       copy(row[name][new:old], _ZERO)
     elif old > new:
-      row[name][new:old] = field.fill_for({"L": row["text_ids"].shape[0]})
+      row[name][new:old] = row["text_ids"].shape[0] if fill is None else fill
   images = row["vae_images"]
   for slot, (old_h, old_w) in enumerate(previous.vae_hw):
     new_h, new_w = extent.vae_hw[slot] if slot < len(extent.vae_hw) else (0, 0)

@@ -48,10 +48,11 @@ class DrawCounts:
 
   def to_json(self) -> dict[str, Any]:
     return {"image_tokens": self.image_tokens,
-            "counts": {name: {"drawn": self.drawn_by[name]} for name in self._names},
+            "counts": {name: {"drawn": self.drawn_by.get(name, 0)} for name in self._names},
             "drop_reasons": list(REASONS),  # names the entries of each group's `drops`
-            "drops": {k: [v[r] for r in REASONS] for k, v in self.drops.items()},
-            "notes": {k: {n: v[n] for n in NOTES} for k, v in self.notes.items()}}
+            # (`get`: a Counter's missing key is a Python call, and this runs at every step)
+            "drops": {k: [v.get(r, 0) for r in REASONS] for k, v in self.drops.items()},
+            "notes": {k: {n: v.get(n, 0) for n in NOTES} for k, v in self.notes.items()}}
 
   @classmethod
   def from_json(cls, group_names: Sequence[str], stats: Any) -> DrawCounts:
@@ -110,8 +111,9 @@ class RowCounts:
 
   def to_json(self) -> dict[str, Any]:
     return {"rows": self.rows, "tokens": self.tokens,
-            "counts": {name: {"packed": self.packed_by[name]} for name in self._names},
-            "missing_mandatory": {name: self.missing_mandatory[name] for name in self._names}}
+            "counts": {name: {"packed": self.packed_by.get(name, 0)} for name in self._names},
+            "missing_mandatory": {name: self.missing_mandatory.get(name, 0)
+                                  for name in self._names}}
 
   @classmethod
   def from_json(cls, group_names: Sequence[str], stats: Any) -> RowCounts:

@@ -317,6 +317,7 @@ class Fetcher:
       self._check()
       self._copy_token += 1
       token = self._copy_token
+      unwatched = [w for w in self._workers if not (w.jobs or w.copies or w.stage != "ready")]
       for n, items in copies.items():
         w = self._workers[n]
         try:
@@ -329,7 +330,7 @@ class Fetcher:
           self._fail(f"{w.describe_exit()} before it copied a batch's pixels")
           self._check()
         w.copies[token] = time.monotonic()
-      wake = self._wake_once()
+      wake = any(w.copies for w in unwatched) and self._wake_once()
     if wake:  # the pump watches a worker's socket only while it owes something
       os.write(self._wake, b"w")
     with self._cond:
@@ -388,6 +389,11 @@ class Fetcher:
   # -- the pump thread ---------------------------------------------------------
 
   def _run_pump(self) -> None:
+    # One poll object, its descriptors changed only when the workers watched change:
+    # `connection.wait` builds a selector and its keys in Python on every call, and the
+    # pump makes one call per result.
+    poller, polled = select.poll(), []
+    poller.register(self._wake_reader, select.POLLIN)
     while True:
       with self._cond:
         if self._closed or self._failure is not None:
@@ -396,13 +402,16 @@ class Fetcher:
         self._dispatch()
         self._check_deadlines()
         watched = [w for w in self._workers if w.jobs or w.copies or w.stage != "ready"]
-      # A poll object of the moment's descriptors: `connection.wait` builds a selector and
-      # its keys in Python on every call, and the pump makes one call per result.
-      poller = select.poll()
-      poller.register(self._wake_reader, select.POLLIN)
-      for w in watched:
-        poller.register(w.conn.fileno(), select.POLLIN)
-        poller.register(w.process.sentinel, select.POLLIN)
+      if watched != polled:
+        for w in polled:
+          if w not in watched:
+            poller.unregister(w.conn.fileno())
+            poller.unregister(w.process.sentinel)
+        for w in watched:
+          if w not in polled:
+            poller.register(w.conn.fileno(), select.POLLIN)
+            poller.register(w.process.sentinel, select.POLLIN)
+        polled = watched
       ready = {fd for fd, _ in poller.poll(_POLL_S * 1000)}
       if self._wake_reader in ready:  # a wake or two (see _wake_once): all read at once
         os.read(self._wake_reader, 4096)
@@ -478,7 +487,8 @@ class Fetcher:
             return False
           self._cond.notify_all()
         return True
-      w.memory["now"] = held
+      if held is not None:  # (None: as the last one it sent)
+        w.memory["now"] = held
       storage.COUNTS.add(self._names[key[0]], spent)
       with self._cond:
         w.jobs.remove(key)

@@ -60,14 +60,16 @@ class WorkerError(BagelGrainError):
 
 
 _HELD_EVERY_S = 1.0  # a report's figure, not worth a /proc read per element
-_held: tuple[float, dict[str, int]] = (-_HELD_EVERY_S, {})
+_held: tuple[float, dict[str, int] | None] = (-_HELD_EVERY_S, None)
 
 
-def _held_memory() -> dict[str, int]:
-  """`held_memory.snapshot()`, taken again at most once a second."""
+def _held_memory() -> dict[str, int] | None:
+  """`held_memory.snapshot()`, taken again at most once a second; None while the last one
+  returned stands (the main process keeps the last it received)."""
   global _held  # pylint: disable=global-statement
-  if time.monotonic() - _held[0] >= _HELD_EVERY_S:
-    _held = (time.monotonic(), held_memory.snapshot())
+  if time.monotonic() - _held[0] < _HELD_EVERY_S:
+    return None
+  _held = (time.monotonic(), held_memory.snapshot())
   return _held[1]
 
 
@@ -81,8 +83,8 @@ def send(conn: Connection, status: str, job: tuple[int, int], value: Any,
   `status` is "ok" (value: the element), "retry" (value: the StorageUnavailableError
   that a later attempt may not meet) or "error" (value: a traceback, the stream stops);
   `spent` is what storage cost computing it. The header also carries where the buffers
-  lie in the slab (or None) and what the worker holds (`held_memory.snapshot()`, at
-  most a second old), for reports."""
+  lie in the slab (or None) and what the worker holds (`held_memory.snapshot()`, taken
+  at most once a second; None in between), for reports."""
   encoded = sample_wire.encode(value) if status == "ok" else None
   if encoded is not None:
     payload, buffers = encoded
@@ -107,14 +109,15 @@ def recv(conn: Connection, slab: slabs.MainSlab | None = None
   if header[0] == "copied":
     return "copied", header[1], header[2], storage.ElementStorage(0, 0.0), None
   status, job, count, retries, wait_s, placed, held, payload = header
-  if placed is not None:
-    buffers = slab.buffers(placed)
+  if placed is not None and sample_wire.is_sample(payload):
+    value = sample_wire.decode(payload, *slab.region(placed))
   else:
-    buffers = [conn.recv_bytes() for _ in range(count)]
-  if sample_wire.is_sample(payload):
-    value = sample_wire.decode(payload, buffers)
-  else:
-    value = pickle.loads(payload, buffers=buffers)
+    buffers = slab.buffers(placed) if placed is not None else [
+        conn.recv_bytes() for _ in range(count)]
+    if sample_wire.is_sample(payload):
+      value = sample_wire.decode(payload, buffers)
+    else:
+      value = pickle.loads(payload, buffers=buffers)
   return status, tuple(job), value, storage.ElementStorage(retries, wait_s), held
 
 

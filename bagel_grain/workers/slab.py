@@ -176,6 +176,15 @@ class MainSlab:
     weakref.finalize(region, self._freed.append, start)
     return [region[offset:offset + nbytes] for offset, nbytes in spans]
 
+  def region(self, placed: Placed) -> tuple[np.ndarray, list[int]]:
+    """The region of an element placed at `placed`, as one read-only array of bytes that
+    keeps it (as `buffers` does), and where each buffer starts in it."""
+    start, spans = placed
+    end = spans[-1][0] + spans[-1][1] if spans else 0
+    region = np.frombuffer(self._map, np.uint8, count=end, offset=start)
+    weakref.finalize(region, self._freed.append, start)
+    return region, [offset for offset, _ in spans]
+
   def take_freed(self) -> list[int]:
     out = []
     while self._freed:
