@@ -81,12 +81,8 @@ def test_the_sample_crosses_with_its_row_usage():
   assert got.usage == Usage.of(sample.layout) and type(got.usage) is Usage
 
 
-def test_a_sample_decoded_from_its_slab_region_is_views_of_that_region():
-  fd = slabs.create(1 << 20)
-  if fd is None:
-    pytest.skip("no memfd on this system")
-  worker, main = slabs.WorkerSlab(os.dup(fd), 1 << 20), slabs.MainSlab(fd, 1 << 20)
-  os.close(fd)
+def test_a_sample_decoded_from_its_slab_region_is_views_of_that_region(slab_pair):
+  worker, main = slab_pair
   sample = make_sample(0, 5, 7, vit=True, vae=True)
   payload, buffers = sample_wire.encode(sample)
   placed = worker.place(buffers)
