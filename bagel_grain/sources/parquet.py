@@ -371,7 +371,6 @@ class ParquetRowSource:
           self.row_group_reads += 1
           self.bytes_read += table.nbytes
         self._cache.put(key, table)
-        _give_back_freed()
       except fs.ObjectChanged:
         raise Drop(DropReason.UNREADABLE_FILE, f"{key[0]} changed since the stream was built: "
                    "its rows are not read") from None
@@ -388,6 +387,7 @@ class ParquetRowSource:
       finally:
         with self._lock:
           self._loading.pop(key, None)
+    _give_back_freed()  # a thread waiting for this row group does not wait for the purge
     return table
 
   def _read(self, path: str, row_group: int, rows: int) -> pa.Table:
