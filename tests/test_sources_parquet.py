@@ -249,6 +249,45 @@ def test_row_groups_are_read_into_jemalloc_without_changing_the_hosts_default_po
   assert used == "jemalloc" and int(held) > 0 and after != "jemalloc"
 
 
+_RSS_AROUND_A_READ = """
+import sys
+from bagel_grain.sources import parquet
+
+def rss():
+  with open("/proc/self/status", encoding="ascii") as f:
+    return next(int(l.split()[1]) << 10 for l in f if l.startswith("VmRSS:"))
+
+source = parquet.ParquetRowSource([sys.argv[1]], ["image"])
+len(source)  # the footer read
+before = rss()
+source[0]  # the whole row group decoded, held in the cache
+print(rss() - before, source._cache.held_bytes)
+"""
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="reads /proc")
+def test_a_row_group_read_leaves_resident_only_what_the_cache_holds(tmp_path):
+  # A binary column pyarrow wrote dictionary-first: Arrow's decoder copies the dictionary
+  # page whole beside the column it builds, then frees the copy. jemalloc kept those
+  # pages (as much again as the row group) until they aged, adding to the process's
+  # peak beside the next reads; they go back to the kernel after each read.
+  path = tmp_path / "images.parquet"
+  rng = np.random.default_rng(0)
+  images = [rng.integers(0, 256, 1 << 20, np.uint8).tobytes() for _ in range(32)]
+  pq.write_table(pa.table({"image": images}), path, row_group_size=32, compression="none")
+  assert pq.ParquetFile(path).metadata.row_group(0).column(0).has_dictionary_page
+  try:
+    pa.jemalloc_memory_pool()
+  except NotImplementedError:
+    pytest.skip("this pyarrow has no jemalloc")
+  env = {k: v for k, v in os.environ.items() if k != "ARROW_DEFAULT_MEMORY_POOL"}
+  done = subprocess.run([sys.executable, "-c", _RSS_AROUND_A_READ, str(path)], env=env,
+                        capture_output=True, text=True, timeout=120, check=True)
+  grown, held = map(int, done.stdout.split())
+  assert held >= 32 << 20
+  assert grown - held < held // 4, (grown >> 20, held >> 20)  # was about 2x held
+
+
 def test_a_file_changed_after_the_build_drops_its_rows_in_every_process(tmp_path):
   folder = tmp_path / "pq"
   folder.mkdir()
