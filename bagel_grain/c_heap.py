@@ -7,6 +7,12 @@ in the 10-minute soak with 2 workers each worker's own pages (RssAnon) grew 23-2
 between the halves, to 463-517 MiB. With `WORKER_ARENAS` arenas they held 272-298 MiB,
 with the same rows. A host's process is not ours to configure; a worker is, and it sets
 the limit as it starts, before its threads. A no-op where the C library is not glibc.
+
+The main process keeps glibc's settings, but when it decodes elements itself while
+workers run (stragglers: a worker held up by a long element), its threads touch memory
+that their arenas keep once freed. Every `TRIM_EVERY` such elements it hands the
+freed pages of every arena back to the kernel (`release_freed`, glibc's `malloc_trim`):
+what is in use is untouched, nothing is configured.
 """
 
 from __future__ import annotations
@@ -14,6 +20,7 @@ from __future__ import annotations
 import ctypes
 
 WORKER_ARENAS = 2
+TRIM_EVERY = 32  # elements the main process decodes itself while workers run, per trim
 _M_ARENA_MAX = -8  # mallopt's parameter, from glibc's malloc.h
 
 
@@ -32,3 +39,9 @@ _LIBC = _glibc()
 def limit_arenas(count: int = WORKER_ARENAS) -> bool:
   """At most `count` malloc arenas in this process from now on (a worker's first step)."""
   return bool(_LIBC is not None and _LIBC.mallopt(_M_ARENA_MAX, count))
+
+
+def release_freed() -> bool:
+  """Gives the kernel back the whole pages that glibc's arenas keep freed (`malloc_trim(0)`:
+  every arena, not only the top of the main heap); True when some were released."""
+  return bool(_LIBC is not None and hasattr(_LIBC, "malloc_trim") and _LIBC.malloc_trim(0))

@@ -58,3 +58,22 @@ class ModulesLoaded:
       __import__(self.import_first)
     import sys  # pylint: disable=import-outside-toplevel
     return [os.getpid()] + [int(name in sys.modules) for name in self.names]
+
+
+class LoadsOnlyWhenAllowed:
+  """Element i is i; a worker process that unpickles it waits until the file `allowed`
+  exists (a worker that stays loading: the main process computes every element itself)."""
+
+  def __init__(self, size: int, allowed: str):
+    self.size, self.allowed = size, allowed
+
+  def __setstate__(self, state):
+    self.__dict__.update(state)
+    while not os.path.exists(self.allowed):
+      time.sleep(0.05)
+
+  def __len__(self) -> int:
+    return self.size
+
+  def __getitem__(self, index: int) -> int:
+    return index

@@ -28,14 +28,14 @@ import numpy as np
 import psutil
 import pytest
 
-from bagel_grain import held_memory
+from bagel_grain import c_heap, held_memory
 from bagel_grain.sources import readahead
 from bagel_grain.families.files import DiskFiles
 from bagel_grain.workers import WORKER_NICENESS, Fetcher, WorkerError
 from bagel_grain.workers import fetcher as fetcher_module
 from bagel_grain.pipeline import build_pipeline
 from deadline import deadline
-from slow_elements import FailsWhileDown, StallsInWorkers
+from slow_elements import FailsWhileDown, LoadsOnlyWhenAllowed, StallsInWorkers
 from bagel_grain.errors import StorageUnavailableError
 
 
@@ -495,3 +495,31 @@ def test_elements_no_worker_has_taken_are_read_ahead_by_the_main_process(monkeyp
       fetcher.close()
   ahead = fetcher_module.INLINE_READ_AHEAD
   assert started[:2] == [(40, list(range(1, ahead))), (3, [0, 1, 2])]
+
+
+def test_elements_computed_here_while_workers_run_give_freed_heap_pages_back_now_and_then(
+    tmp_path, monkeypatch):
+  # Stragglers (elements the main process computes while workers run) touch memory that its
+  # malloc arenas keep when freed: every TRIM_EVERY of them, the freed pages go back (the
+  # soak's main process grew by tens of MiB so). Here the one worker stays loading, so the
+  # main process computes every element itself; without workers nothing is trimmed.
+  trims = []
+  monkeypatch.setattr(c_heap, "release_freed", lambda: trims.append(1) or True)
+  monkeypatch.setattr(c_heap, "TRIM_EVERY", 4)
+  with deadline(120):
+    fetcher = Fetcher([LoadsOnlyWhenAllowed(100, str(tmp_path / "allowed"))], workers=1,
+                      depths=[2])
+    try:
+      assert [fetcher.get(0, i) for i in range(9)] == list(range(9))
+      inline = fetcher.inline_elements
+    finally:
+      fetcher.close()
+  assert inline >= 9
+  assert len(trims) == fetcher.heap_trims == inline // 4 >= 2
+  inline_only = Fetcher([Squares(100)], workers=0, depths=[2])
+  try:
+    for i in range(9):
+      inline_only.get(0, i)
+  finally:
+    inline_only.close()
+  assert len(trims) == inline // 4 and inline_only.heap_trims == 0

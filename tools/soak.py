@@ -461,6 +461,7 @@ def _run(it, pipeline_stats, args, injected, rearm=None) -> dict:
       report(time.monotonic())
     watch.stop()  # before close: the workers' last samples and peaks
     decoded_here = sum(f.inline_elements for f in live())  # before close forgets them
+    trims = (sum(f.heap_trims for f in live()), sum(f.heap_trim_s for f in live()))
     it.close()
   time.sleep(0.5)
   left = [p.pid for p in _workers(me) if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
@@ -486,6 +487,10 @@ def _run(it, pipeline_stats, args, injected, rearm=None) -> dict:
       # elements the main process computed itself (workers busy, or not up yet): its
       # memory follows them, not the workers'
       "main_decoded_elements": decoded_here,
+      # how often the main process gave its malloc arenas' freed pages back meanwhile, and
+      # the seconds that took (`c_heap.release_freed`, every `c_heap.TRIM_EVERY` of them)
+      "main_heap_trims": trims[0],
+      "main_heap_trim_s": round(trims[1], 3),
       "error": error,
   }
 

@@ -143,8 +143,12 @@ class DiskFiles:
   def list_frames(self, folder: str, max_frames: int | None = None) -> list[str]:
     bound = fs.MAX_LIST_ENTRIES if max_frames is None else FOLDER_ENTRIES_PER_FRAME * max_frames
     listed = self.ahead.take(("list", folder)) if self.ahead is not None else None
+    # The read-ahead's verdict that the folder holds more than its bound: ours too when ours
+    # is no larger, so its pages are not listed again.
+    too_many = isinstance(listed, fs.ListingTooLong) and listed.bound >= bound
+    listed = None if isinstance(listed, fs.ListingTooLong) else listed
     try:
-      if listed is None:
+      if listed is None and not too_many:
         listed = self.storage.call(folder, lambda: fs.list_files(folder, max_entries=bound))
     except fs.ListingTooLong:
       listed = None

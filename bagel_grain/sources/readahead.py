@@ -47,7 +47,7 @@ MIN_DEPTH = 32  # ... and at least; between, four times the reads wanted in flig
 MAX_BYTES = 64 << 20  # read but not yet taken, per group and process
 WAIT_S = 60.0  # a read ahead not done by then (or the element's deadline) is done again
 CLOSE_WAIT_S = 0.5  # close waits this long for idle threads to end, never for a read
-MAX_LIST_AHEAD = 1 << 16  # a frame folder listed ahead: more entries, the consumer lists it
+MAX_LIST_AHEAD = 1 << 16  # a frame folder listed ahead: more entries is a verdict served as such
 _FIRST_GUESS = 256 << 10  # size assumed for a read of unknown size before any is done
 _SMOOTHING = 0.1  # weight of the newest sample in the latency and rate averages
 
@@ -368,8 +368,7 @@ class ReadAheadRecords(grain.MapDataset):
                                 lambda p=path.path: ranged_file.read_head(p),
                                 size=ranged_file.WHOLE_BYTES)
       elif path.endswith(("/", os.sep)):
-        held = self.ahead.start(("list", path), lambda p=path: _listed(
-            fs.list_files(p, max_entries=MAX_LIST_AHEAD)))
+        held = self.ahead.start(("list", path), lambda p=path: _listed(p))
       else:
         held = self.ahead.start(("file", path), lambda p=path: _sized(self._read_file(p)),
                                 size=_local_size(path))
@@ -468,7 +467,15 @@ def _sized(data: bytes) -> tuple[bytes, int]:
   return data, len(data)
 
 
-def _listed(paths: list[str]) -> tuple[list[str], int]:
+def _listed(folder: str) -> tuple[list[str] | fs.ListingTooLong, int]:
+  """A frame folder's files, listed to `MAX_LIST_AHEAD`; a folder of more is served as the
+  `ListingTooLong` itself: a definite verdict, which the consumer takes rather than listing
+  the same pages again (`DiskFiles.list_frames`)."""
+  try:
+    paths = fs.list_files(folder, max_entries=MAX_LIST_AHEAD)
+  except fs.ListingTooLong as e:
+    e.__traceback__ = None  # held until taken: not the frames of the listing
+    return e, 0
   return paths, sum(len(p) for p in paths)
 
 

@@ -48,7 +48,7 @@ import time
 import weakref
 from typing import Any, Callable, Sequence
 
-from bagel_grain import interpreter_exit, storage
+from bagel_grain import c_heap, interpreter_exit, storage
 from bagel_grain.config import PipelineConfig
 from bagel_grain.errors import StorageUnavailableError
 from bagel_grain.sources import readahead
@@ -117,8 +117,11 @@ class Fetcher:
     self._inline_since = 0.0
     self._read_ahead_started = False  # see _untaken
     self._wake_pending = False  # a byte is on its way to the pump (see _wake_once)
-    # Elements computed in this process, and the CPU seconds they took (for reports).
+    # Elements computed in this process, and the CPU seconds they took (for reports); with
+    # workers, how many were computed since the C heap's freed pages were last given back,
+    # and how often they were (see `_run_inline`).
     self.inline_elements, self.inline_cpu_s = 0, 0.0
+    self._since_trim, self.heap_trims, self.heap_trim_s = 0, 0, 0.0
     self._pump: threading.Thread | None = None
     self._copy_token = 0  # the last batch's copies sent (copy_and_wait)
     if workers > 0:
@@ -368,6 +371,21 @@ class Fetcher:
         self._done[key] = value
         self._cond.notify_all()
       del value  # a failure's traceback holds this frame: not kept till the next element
+      if self._pump is not None:
+        self._trim_now_and_then()
+
+  def _trim_now_and_then(self) -> None:
+    """With workers, every `c_heap.TRIM_EVERY` elements computed here (stragglers, behind
+    a worker held up by a long element), the pages freed in this process's malloc arenas go
+    back to the kernel: its read-ahead and inline threads each touch memory that their
+    arena keeps (the soak's main process grew by tens of MiB so, in bursts of hundreds)."""
+    self._since_trim += 1
+    if self._since_trim >= c_heap.TRIM_EVERY:
+      self._since_trim = 0
+      began = time.monotonic()
+      c_heap.release_freed()
+      self.heap_trims += 1
+      self.heap_trim_s += time.monotonic() - began
 
   def _untaken(self, key: tuple[int, int]) -> dict[int, list[int]]:
     """Per group, the elements the inline thread is likely to compute next, whose reads it
