@@ -427,8 +427,8 @@ def test_an_index_written_on_disk_is_accepted_after_an_upload_and_a_bucket_copy(
   _through(store.fault_proxy(), store, monkeypatch)
   monkeypatch.setattr(identity, "probe", _unread)  # the listings' checksums decide
   real_footer = parquet_footer.read  # a row group's read of its own goes on
-  monkeypatch.setattr(parquet_footer, "read", lambda path, pin=None, *, at_build: (
-      _unread(path) if at_build else real_footer(path, pin, at_build=at_build)))
+  monkeypatch.setattr(parquet_footer, "read", lambda path, pin=None, *, at_build, **kw: (
+      _unread(path) if at_build else real_footer(path, pin, at_build=at_build, **kw)))
   monkeypatch.setattr(sidecar, "scan_line_starts", _unread)
   for root in (uploaded, store.uri("copied")):
     keys, stats, _ = _run_epoch(_epoch_config(root, demo_dir), demo_tokenizer, 0, root, demo_dir)

@@ -140,8 +140,8 @@ def _no_footer(path, *args, **kwargs):
 def _refuse_footers(monkeypatch):
   """A footer read at build fails the test (a row group's read of its own goes on)."""
   real = parquet_footer.read
-  monkeypatch.setattr(parquet_footer, "read", lambda path, pin=None, *, at_build: (
-      _no_footer(path) if at_build else real(path, pin, at_build=at_build)))
+  monkeypatch.setattr(parquet_footer, "read", lambda path, pin=None, *, at_build, **kw: (
+      _no_footer(path) if at_build else real(path, pin, at_build=at_build, **kw)))
 
 
 def test_parquet_info_spares_the_footers_of_other_processes_files(tmp_path, monkeypatch):
@@ -152,8 +152,8 @@ def test_parquet_info_spares_the_footers_of_other_processes_files(tmp_path, monk
                               for f in range(4)}))
   read = []
   real = parquet_footer.read
-  monkeypatch.setattr(parquet_footer, "read", lambda p, pin=None, *, at_build: (
-      read.append(p) or real(p, pin, at_build=at_build)))
+  monkeypatch.setattr(parquet_footer, "read", lambda p, pin=None, *, at_build, **kw: (
+      read.append(p) or real(p, pin, at_build=at_build, **kw)))
   got = _records(dataset_source(folder, None, ["id"], str(info)), shard_index=1,
                  shard_count=2)
   assert got == expected
