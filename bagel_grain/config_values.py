@@ -7,10 +7,25 @@ from __future__ import annotations
 
 import difflib
 import numbers
+import reprlib
 from typing import Any, Mapping
 
-from bagel_grain.config_yaml import shown
 from bagel_grain.errors import ConfigError
+
+# Not from config_yaml: a worker process loads the families (which check their options
+# here) but never reads YAML, and PyYAML's import is ~25 ms of each worker's start-up.
+_SHOWN_CHARS = 80
+
+_repr = reprlib.Repr()
+for _limit, _value in (("maxlevel", 3), ("maxlist", 4), ("maxdict", 4), ("maxtuple", 4),
+                       ("maxset", 4), ("maxstring", 60), ("maxlong", 40), ("maxother", 60)):
+  setattr(_repr, _limit, _value)
+
+
+def shown(value: Any) -> str:
+  """`repr(value)` cut to a line: walks at most a few elements at a few levels."""
+  text = _repr.repr(value)
+  return text if len(text) <= _SHOWN_CHARS else text[:_SHOWN_CHARS - 3] + "..."
 
 
 def number(value: Any, kind: type, *, file: str, group: str | None, key: str):

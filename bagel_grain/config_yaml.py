@@ -6,35 +6,23 @@ mapping key given twice (the last would win silently: a duplicated group would
 drop the first), and aliases that expand to a huge value (a "billion laughs":
 loading is cheap because aliases share objects, but anything that walks the
 value, an error message's `repr` first, would take minutes and gigabytes).
-`shown(value)` is the bounded repr error messages use for any value read.
+`shown(value)` (`config_values`) is the bounded repr error messages use for any value read.
 """
 
 from __future__ import annotations
 
-import reprlib
 from typing import Any
 
 import yaml
 
 from bagel_grain import fs
+from bagel_grain.config_values import shown  # (here too: its old home)
 from bagel_grain.errors import ConfigError
 
 MAX_CONFIG_BYTES = 64 << 20  # a config, dataset_info or grouped_datasets file
 # Nodes that aliases may add to a file beyond those it spells out. Anchors shared by a
 # few groups add tens; 1e9 leaves from a 1 KB file is a bomb.
 MAX_ALIAS_NODES = 100_000
-_SHOWN_CHARS = 80
-
-_repr = reprlib.Repr()
-for _limit, _value in (("maxlevel", 3), ("maxlist", 4), ("maxdict", 4), ("maxtuple", 4),
-                       ("maxset", 4), ("maxstring", 60), ("maxlong", 40), ("maxother", 60)):
-  setattr(_repr, _limit, _value)
-
-
-def shown(value: Any) -> str:
-  """`repr(value)` cut to a line: walks at most a few elements at a few levels."""
-  text = _repr.repr(value)
-  return text if len(text) <= _SHOWN_CHARS else text[:_SHOWN_CHARS - 3] + "..."
 
 
 class _StrictLoader(yaml.SafeLoader):  # pylint: disable=too-many-ancestors
