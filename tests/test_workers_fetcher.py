@@ -497,29 +497,37 @@ def test_elements_no_worker_has_taken_are_read_ahead_by_the_main_process(monkeyp
   assert started[:2] == [(40, list(range(1, ahead))), (3, [0, 1, 2])]
 
 
-def test_elements_computed_here_while_workers_run_give_freed_heap_pages_back_now_and_then(
+def test_with_workers_the_main_process_gives_freed_heap_pages_back_now_and_then(
     tmp_path, monkeypatch):
-  # Stragglers (elements the main process computes while workers run) touch memory that its
-  # malloc arenas keep when freed: every TRIM_EVERY of them, the freed pages go back (the
-  # soak's main process grew by tens of MiB so). Here the one worker stays loading, so the
-  # main process computes every element itself; without workers nothing is trimmed.
+  # Stragglers (elements the main process computes while workers run) and its read-ahead
+  # touch memory that its malloc arenas keep when freed: at most every TRIM_INTERVAL_S the
+  # freed pages go back (the soak's main process grew by tens of MiB so). Here the one
+  # worker stays loading, so the main process computes every element itself; without
+  # workers nothing is trimmed.
   trims = []
   monkeypatch.setattr(c_heap, "release_freed", lambda: trims.append(1) or True)
-  monkeypatch.setattr(c_heap, "TRIM_EVERY", 4)
+  monkeypatch.setattr(c_heap, "TRIM_INTERVAL_S", 0.0)  # every get may trim
   with deadline(120):
     fetcher = Fetcher([LoadsOnlyWhenAllowed(100, str(tmp_path / "allowed"))], workers=1,
                       depths=[2])
     try:
       assert [fetcher.get(0, i) for i in range(9)] == list(range(9))
-      inline = fetcher.inline_elements
     finally:
       fetcher.close()
-  assert inline >= 9
-  assert len(trims) == fetcher.heap_trims == inline // 4 >= 2
+  assert len(trims) == fetcher.heap_trims == 9
+  monkeypatch.setattr(c_heap, "TRIM_INTERVAL_S", 3600.0)
+  with deadline(120):
+    fetcher = Fetcher([LoadsOnlyWhenAllowed(100, str(tmp_path / "allowed"))], workers=1,
+                      depths=[2])
+    try:
+      assert [fetcher.get(0, i) for i in range(9)] == list(range(9))
+    finally:
+      fetcher.close()
+  assert fetcher.heap_trims == 1 and len(trims) == 10  # the first get's, then none
   inline_only = Fetcher([Squares(100)], workers=0, depths=[2])
   try:
     for i in range(9):
       inline_only.get(0, i)
   finally:
     inline_only.close()
-  assert len(trims) == inline // 4 and inline_only.heap_trims == 0
+  assert len(trims) == 10 and inline_only.heap_trims == 0

@@ -488,7 +488,7 @@ def _run(it, pipeline_stats, args, injected, rearm=None) -> dict:
       # memory follows them, not the workers'
       "main_decoded_elements": decoded_here,
       # how often the main process gave its malloc arenas' freed pages back meanwhile, and
-      # the seconds that took (`c_heap.release_freed`, every `c_heap.TRIM_EVERY` of them)
+      # the seconds that took (`c_heap.release_freed`, at most every `c_heap.TRIM_INTERVAL_S`)
       "main_heap_trims": trims[0],
       "main_heap_trim_s": round(trims[1], 3),
       "error": error,

@@ -121,7 +121,7 @@ class Fetcher:
     # workers, how many were computed since the C heap's freed pages were last given back,
     # and how often they were (see `_run_inline`).
     self.inline_elements, self.inline_cpu_s = 0, 0.0
-    self._since_trim, self.heap_trims, self.heap_trim_s = 0, 0, 0.0
+    self._next_trim, self.heap_trims, self.heap_trim_s = 0.0, 0, 0.0
     self._pump: threading.Thread | None = None
     self._copy_token = 0  # the last batch's copies sent (copy_and_wait)
     if workers > 0:
@@ -162,6 +162,8 @@ class Fetcher:
     did not (those were wanted then, and only the caller's own calls take them); asked
     for an earlier index (a step put back), all of them again."""
     self._check_owner()
+    if self._pump is not None and time.monotonic() >= self._next_trim:
+      self._give_back_freed_heap()
     with self._cond:
       if self._pump is not None:
         wanted = self._want(group, index)
@@ -371,21 +373,18 @@ class Fetcher:
         self._done[key] = value
         self._cond.notify_all()
       del value  # a failure's traceback holds this frame: not kept till the next element
-      if self._pump is not None:
-        self._trim_now_and_then()
 
-  def _trim_now_and_then(self) -> None:
-    """With workers, every `c_heap.TRIM_EVERY` elements computed here (stragglers, behind
-    a worker held up by a long element), the pages freed in this process's malloc arenas go
-    back to the kernel: its read-ahead and inline threads each touch memory that their
-    arena keeps (the soak's main process grew by tens of MiB so, in bursts of hundreds)."""
-    self._since_trim += 1
-    if self._since_trim >= c_heap.TRIM_EVERY:
-      self._since_trim = 0
-      began = time.monotonic()
-      c_heap.release_freed()
-      self.heap_trims += 1
-      self.heap_trim_s += time.monotonic() - began
+  def _give_back_freed_heap(self) -> None:
+    """With workers, at most every `c_heap.TRIM_INTERVAL_S`, the pages freed in this
+    process's malloc arenas go back to the kernel: its read-ahead and inline threads (the
+    stragglers it computes behind a worker held up by a long element) each touch memory
+    that their arena keeps once freed (the soak's main process grew by tens of MiB so)."""
+    began = time.monotonic()
+    c_heap.release_freed()
+    done = time.monotonic()
+    self._next_trim = done + c_heap.TRIM_INTERVAL_S
+    self.heap_trims += 1
+    self.heap_trim_s += done - began
 
   def _untaken(self, key: tuple[int, int]) -> dict[int, list[int]]:
     """Per group, the elements the inline thread is likely to compute next, whose reads it
