@@ -506,24 +506,20 @@ def test_with_workers_the_main_process_gives_freed_heap_pages_back_now_and_then(
   # workers nothing is trimmed.
   trims = []
   monkeypatch.setattr(c_heap, "release_freed", lambda: trims.append(1) or True)
-  monkeypatch.setattr(c_heap, "TRIM_INTERVAL_S", 0.0)  # every get may trim
-  with deadline(120):
-    fetcher = Fetcher([LoadsOnlyWhenAllowed(100, str(tmp_path / "allowed"))], workers=1,
-                      depths=[2])
-    try:
-      assert [fetcher.get(0, i) for i in range(9)] == list(range(9))
-    finally:
-      fetcher.close()
-  assert len(trims) == fetcher.heap_trims == 9
-  monkeypatch.setattr(c_heap, "TRIM_INTERVAL_S", 3600.0)
-  with deadline(120):
-    fetcher = Fetcher([LoadsOnlyWhenAllowed(100, str(tmp_path / "allowed"))], workers=1,
-                      depths=[2])
-    try:
-      assert [fetcher.get(0, i) for i in range(9)] == list(range(9))
-    finally:
-      fetcher.close()
-  assert fetcher.heap_trims == 1 and len(trims) == 10  # the first get's, then none
+
+  def trims_in_nine_gets(interval_s: float) -> int:
+    monkeypatch.setattr(c_heap, "TRIM_INTERVAL_S", interval_s)
+    with deadline(120):
+      fetcher = Fetcher([LoadsOnlyWhenAllowed(100, str(tmp_path / "allowed"))], workers=1,
+                        depths=[2])
+      try:
+        assert [fetcher.get(0, i) for i in range(9)] == list(range(9))
+      finally:
+        fetcher.close()
+    return fetcher.heap_trims
+
+  assert trims_in_nine_gets(0.0) == len(trims) == 9  # every get may trim
+  assert trims_in_nine_gets(3600.0) == 1 and len(trims) == 10  # the first get's, then none
   inline_only = Fetcher([Squares(100)], workers=0, depths=[2])
   try:
     for i in range(9):
