@@ -167,20 +167,17 @@ class MainSlab:
   def buffers(self, placed: Placed) -> list[np.ndarray]:
     """The buffers of an element placed at `placed`: read-only views that keep its region
     (whose start is queued for `take_freed` once the last of them is gone)."""
-    start, spans = placed
-    end = spans[-1][0] + spans[-1][1] if spans else 0
-    # Made from the mapping, not sliced from an array of it: numpy gives a view of a view
-    # the first array as its base, and only an array whose base is no array stays the base
-    # of its slices (and of what unpickling makes of them).
-    region = np.frombuffer(self._map, np.uint8, count=end, offset=start)
-    weakref.finalize(region, self._freed.append, start)
-    return [region[offset:offset + nbytes] for offset, nbytes in spans]
+    region, _ = self.region(placed)
+    return [region[offset:offset + nbytes] for offset, nbytes in placed[1]]
 
   def region(self, placed: Placed) -> tuple[np.ndarray, list[int]]:
     """The region of an element placed at `placed`, as one read-only array of bytes that
     keeps it (as `buffers` does), and where each buffer starts in it."""
     start, spans = placed
     end = spans[-1][0] + spans[-1][1] if spans else 0
+    # Made from the mapping, not sliced from an array of it: numpy gives a view of a view
+    # the first array as its base, and only an array whose base is no array stays the base
+    # of its slices (and of what unpickling makes of them).
     region = np.frombuffer(self._map, np.uint8, count=end, offset=start)
     weakref.finalize(region, self._freed.append, start)
     return region, [offset for offset, _ in spans]
