@@ -25,7 +25,7 @@ from bagel_grain.pipeline import build_pipeline, pipeline_stats
 from bagel_grain.remote import http
 from bagel_grain.sources import identity, parquet, parquet_footer, sidecar
 from bagel_grain.drops import Drop
-from bagel_grain.sources import jsonl
+from bagel_grain.sources import jsonl, whole_objects
 from bagel_grain.sources.jsonl import JsonlLineSource
 from bagel_grain.sources.parquet import dataset_source
 from bagel_grain.tokenizer import load_tokenizer
@@ -608,11 +608,11 @@ def test_a_pinned_read_gives_the_listed_bytes_or_a_definite_change(bucket, tmp_p
 def test_a_jsonl_object_changed_after_the_build_drops_its_lines_whatever_the_workers(
     bucket, workers, held, demo_dir, demo_tokenizer, monkeypatch, tmp_path):
   # Read by its lines (a large object), its lines are dropped; held whole by the build (a
-  # small one, `jsonl.KEPT_OBJECT_BYTES`), they are the build's, in every process.
+  # small one, `whole_objects.OBJECT_BYTES`), they are the build's, in every process.
   store, root = bucket
   _through(store.fault_proxy(), store, monkeypatch)
   if not held:
-    monkeypatch.setattr(jsonl, "KEPT_OBJECT_BYTES", 0)
+    monkeypatch.setattr(whole_objects, "OBJECT_BYTES", 0)
   changed = tmp_path / "sft.jsonl"
   lines = (demo_dir / "vlm" / "sft.jsonl").read_bytes()
   changed.write_bytes(lines.replace(b"<image>", b"<IMAGE>", 1))
@@ -726,14 +726,14 @@ def fresh_footers():
 
 def ranged_parquet(monkeypatch) -> None:
   """Parquet objects read by footer and row-group ranges, as a dataset too large to be read
-  whole at build is (`parquet_footer.WHOLE_OBJECT_BYTES`): none held by an earlier test."""
-  monkeypatch.setattr(parquet_footer, "WHOLE_OBJECT_BYTES", 0)
-  monkeypatch.setattr(parquet_footer, "_HELD", parquet_footer._Held())  # pylint: disable=protected-access
+  whole at build is (`whole_objects.OBJECT_BYTES`): none held by an earlier test."""
+  monkeypatch.setattr(whole_objects, "OBJECT_BYTES", 0)
+  monkeypatch.setattr(whole_objects, "HELD", whole_objects._Held())  # pylint: disable=protected-access
 
 
 def whole_parquet(monkeypatch) -> None:
   """Small parquet datasets read whole at build, whatever earlier tests held or kept."""
-  monkeypatch.setattr(parquet_footer, "_HELD", parquet_footer._Held())  # pylint: disable=protected-access
+  monkeypatch.setattr(whole_objects, "HELD", whole_objects._Held())  # pylint: disable=protected-access
   monkeypatch.setattr(parquet_footer, "_KEPT", fresh_footers())
 
 
@@ -835,13 +835,35 @@ def test_a_small_parquet_dataset_is_read_whole_at_build_and_its_rows_take_no_req
     monkeypatch.setenv(name, value)
   whole_parquet(monkeypatch)
   size = (demo_dir / "t2i" / "part-00000.parquet").stat().st_size
-  assert size <= parquet_footer.WHOLE_OBJECT_BYTES
+  assert size <= whole_objects.OBJECT_BYTES
   local = dataset_source(str(demo_dir / "t2i"), None, ["image", "captions"])
   seen = _requests_to(monkeypatch, "part-00000.parquet")
   remote = dataset_source(f"{root}/t2i", None, ["image", "captions"])
   assert seen == [f"GET bytes=0-{size - 1}"], seen
   assert [remote[i] for i in range(len(remote))] == [local[i] for i in range(len(local))]
   assert len(seen) == 1, seen
+
+
+@pytest.mark.parametrize("bucket", ["s3"], indirect=True)
+def test_small_jsonl_and_parquet_objects_held_whole_share_one_budget(
+    bucket, demo_dir, monkeypatch):
+  # Before: a small JSONL and a small parquet dataset each had a budget of their own, so a
+  # process could hold twice the bytes the one figure promised.
+  store, root = bucket
+  for name, value in store.environment().items():
+    monkeypatch.setenv(name, value)
+  whole_parquet(monkeypatch)
+  lines = (demo_dir / "vlm" / "sft.jsonl").stat().st_size
+  parquets = sum(p.stat().st_size for p in (demo_dir / "t2i").glob("*.parquet"))
+  monkeypatch.setattr(whole_objects, "BUDGET", lines + parquets - 1)
+  held_lines = JsonlLineSource(f"{root}/vlm/sft.jsonl")
+  assert held_lines._content is not None  # pylint: disable=protected-access
+  size = (demo_dir / "t2i" / "part-00000.parquet").stat().st_size
+  seen = _requests_to(monkeypatch, "part-00000.parquet")
+  remote = dataset_source(f"{root}/t2i", None, ["image", "captions"])
+  local = dataset_source(str(demo_dir / "t2i"), None, ["image", "captions"])
+  assert [remote[i] for i in range(len(remote))] == [local[i] for i in range(len(local))]
+  assert seen and f"GET bytes=0-{size - 1}" not in seen, seen  # its footer and row groups
 
 
 @pytest.mark.parametrize("workers", [0, 2])

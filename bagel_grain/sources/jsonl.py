@@ -1,5 +1,5 @@
 """Random access to JSONL lines through a byte-offset index (the file is never held whole,
-but a small object, read whole at build in the request its scan makes: `KEPT_OBJECT_BYTES`).
+but a small object, read whole at build in the request its scan makes: `whole_objects`).
 
 Every process reads the file as the build found it, or not at all. Each process
 opens it itself (a worker on its first line), so a file deleted, replaced or
@@ -30,15 +30,9 @@ import numpy as np
 
 from bagel_grain import fs
 from bagel_grain.drops import Drop, DropReason
-from bagel_grain.sources import sidecar
+from bagel_grain.sources import sidecar, whole_objects
 
 _LOADING = threading.Lock()  # a source is loaded once, whichever thread reads it first
-# An object of at most this many bytes is read whole at build (one request, with its
-# scan's and its tail's), and its lines served from those bytes: on a bucket no round
-# trip for them before the first batch. At most `KEPT_BUDGET` bytes so held a process.
-KEPT_OBJECT_BYTES = 1 << 20
-KEPT_BUDGET = 16 << 20
-_kept = [0]  # bytes held so, in this process's builds
 
 
 class JsonlLineSource:
@@ -62,7 +56,7 @@ class JsonlLineSource:
       with concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="bagel-grain-jsonl") as pool:
         index_stamp = pool.submit(sidecar.read_line_index_stamp, path)
         stamp = _stamp(path)  # before the scan: a change during it shows too
-        whole = int(stamp.size) <= KEPT_OBJECT_BYTES
+        whole = int(stamp.size) <= whole_objects.OBJECT_BYTES
         if whole:
           content = _read_whole(path, stamp)
         else:
@@ -89,7 +83,10 @@ class JsonlLineSource:
     self._span = (0, count)
     self._line = self._start = self._length = None
     self._file = None
-    self._content = content if content is not None and _hold(len(content)) else None
+    # A small object's lines are served from its bytes (on a bucket no round trip for them
+    # before the first batch), within the process's budget: this source's own copy.
+    self._content = content if content is not None and whole_objects.HELD.reserve(
+        {object(): len(content)}) else None
 
   def _load(self) -> None:
     if self._length is not None:  # set last: the arrays are all there
@@ -214,15 +211,6 @@ def _read_whole(path: str, stamp: fs.FileInfo) -> bytes | None:
     return fs.read_range(path, 0, int(stamp.size), pin=stamp)
   except fs.ObjectChanged:
     return None
-
-
-def _hold(nbytes: int) -> bool:
-  """Whether this process may hold `nbytes` more of small objects' lines (`KEPT_BUDGET`)."""
-  with _LOADING:
-    if _kept[0] + nbytes > KEPT_BUDGET:
-      return False
-    _kept[0] += nbytes
-    return True
 
 
 def _tail(data: bytes, size: int) -> str:

@@ -129,14 +129,13 @@ class ParquetCatalog:
                facts: dict[str, sidecar.ParquetFileFacts] | None = None,
                counts: dict[str, int] | None = None, counts_file: str | None = None,
                listed: Sequence[tuple[str, int]] = (),
-               pins: dict[str, fs.FileInfo] | None = None, whole: bool = False):
+               pins: dict[str, fs.FileInfo] | None = None):
     self.files, self.columns = list(files), list(columns)
     self.listed = tuple(listed)  # (name, size) of the folder's files, as the build listed them
     # file path -> the content checksum its sidecar index records (the manifest's)
     self.checksums = {path: f.identity.checksum() for path, f in (facts or {}).items()
                       if f.identity is not None and f.identity.checksum()}
     self.pins = dict(pins or {})  # file path -> its listing: what every read must find
-    self.whole = whole  # its files are read whole (`parquet_footer.read_whole`)
     self._facts = dict(facts or {})
     self._counts, self._counts_file = dict(counts or {}), counts_file
     missing = sorted({f for f in self.files if f not in self._facts and f not in self._counts})
@@ -151,7 +150,7 @@ class ParquetCatalog:
     with concurrent.futures.ThreadPoolExecutor(io_limits.FOOTER_THREADS) as pool:
       self._probe_pins(pool, paths)
       for path, meta in zip(paths, pool.map(
-          lambda p: parquet_footer.read(p, self.pins.get(p), at_build=True, whole=self.whole),
+          lambda p: parquet_footer.read(p, self.pins.get(p), at_build=True),
           paths)):
         facts = sidecar.ParquetFileFacts.of_footer(meta)
         if path in self._counts and (self._counts[path] != len(facts.row_group_rows)
@@ -226,8 +225,9 @@ def dataset_catalog(data_dir: str, num_used: int | None, columns: Sequence[str],
   facts = sidecar.read_parquet_index(
       data_dir, listed, present=any(i.base_name == sidecar.PARQUET_INDEX for i in everything))
   # Footers read at build: a small dataset in a bucket is read whole in their place.
-  whole = facts is None and parquet_footer.read_whole(listed)
-  if facts is not None:
+  if facts is None:
+    parquet_footer.read_whole(listed)
+  else:
     for path, pin in pins.items():  # the index's probe: what a file whose time changes is
       if not fs.is_uri(path) and facts[path].identity.probe:
         pins[path] = dataclasses.replace(pin, probe=("parquet", facts[path].identity.probe))
@@ -239,15 +239,14 @@ def dataset_catalog(data_dir: str, num_used: int | None, columns: Sequence[str],
   if parquet_info_path is not None:
     with concurrent.futures.ThreadPoolExecutor(io_limits.FOOTER_THREADS + 1) as pool:
       info = pool.submit(sidecar.read_parquet_info, parquet_info_path)
-      _footers_ahead(pool, files, pins, whole)
+      _footers_ahead(pool, files, pins)
       counts = sidecar.row_group_counts(files, info.result())
     return ParquetCatalog(files, columns, counts=counts, counts_file=parquet_info_path,
-                          listed=names, pins=pins, whole=whole)
-  return ParquetCatalog(files, columns, listed=names, pins=pins, whole=whole)
+                          listed=names, pins=pins)
+  return ParquetCatalog(files, columns, listed=names, pins=pins)
 
 
-def _footers_ahead(pool, files: Sequence[str], pins: dict[str, fs.FileInfo],
-                   whole: bool = False) -> None:
+def _footers_ahead(pool, files: Sequence[str], pins: dict[str, fs.FileInfo]) -> None:
   """On a bucket, the footers of the first files (at most `FOOTER_THREADS`), read while
   `parquet_info` is and kept (`parquet_footer.keep`): a single process's blocks need them
   next, one round trip later; a process whose share lies elsewhere spends requests of a
@@ -256,7 +255,7 @@ def _footers_ahead(pool, files: Sequence[str], pins: dict[str, fs.FileInfo],
 
   def read(path: str) -> None:
     try:
-      parquet_footer.read(path, pins.get(path), at_build=True, whole=whole)
+      parquet_footer.read(path, pins.get(path), at_build=True)
     except (DatasetError, OSError):
       pass
 

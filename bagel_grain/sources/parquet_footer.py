@@ -19,10 +19,11 @@ The footers a build read (checked) are kept, a few per process (`keep`, `known`)
 first row groups' reads find theirs there instead of reading it again (on a bucket one
 round trip before the first batch).
 
-A small dataset in a bucket (every file at most `WHOLE_OBJECT_BYTES`, all of them within
-what the process may still hold, `HELD_BUDGET`) is read whole at build: one pinned GET
-per file in place of its footer's (`read(whole=True)`), and its row groups are then read
-from those bytes (`held`), in this process and in the workers its sources are pickled to:
+A small dataset in a bucket (every file at most `whole_objects.OBJECT_BYTES`, all of them
+within what the process may still hold, `whole_objects.BUDGET`) is read whole at build:
+one pinned GET per file in place of its footer's (`read_whole`, then `read`), and its row
+groups are then read from those bytes (`held`), in this process and in the workers its
+sources are pickled to:
 on a bucket the first batch waits on no row-group request after the build, and every
 process reads the bytes the build saw.
 """
@@ -39,6 +40,7 @@ import pyarrow.parquet as pq
 
 from bagel_grain import fs
 from bagel_grain.errors import DatasetError
+from bagel_grain.sources import whole_objects
 
 MAX_ROWS_PER_BYTE = 1000
 
@@ -151,70 +153,33 @@ def known(pin) -> pq.FileMetaData | None:
   return None if pin is None else _KEPT.get(_key(pin))
 
 
-# A parquet object of at most this many bytes, in a dataset whose files are all so small and
-# fit in what the process may still hold (`HELD_BUDGET` in all), is read whole at build.
-WHOLE_OBJECT_BYTES = 1 << 20
-HELD_BUDGET = 16 << 20
-
-
-class _Held:
-  """Whole objects read at build, by (path, content identity): held for the process's life,
-  at most `HELD_BUDGET` bytes reserved (`reserve`) before any is read."""
-
-  def __init__(self):
-    self._objects: dict[tuple, bytes] = {}
-    self._reserved: set[tuple] = set()  # held, or to be: a build of the same content again
-    self._bytes = 0  # ... reserves nothing more
-    self._lock = threading.Lock()
-
-  def reserve(self, pins: Sequence) -> bool:
-    with self._lock:
-      new = {_key(p): int(p.size) for p in pins if _key(p) not in self._reserved}
-      if self._bytes + sum(new.values()) > HELD_BUDGET:
-        return False
-      self._reserved.update(new)
-      self._bytes += sum(new.values())
-      return True
-
-  def put(self, key: tuple, data: bytes) -> None:
-    with self._lock:
-      self._objects.setdefault(key, data)
-
-  def get(self, key: tuple) -> bytes | None:
-    with self._lock:
-      return self._objects.get(key)
-
-
-_HELD = _Held()
-
-
 def read_whole(pins: Sequence) -> bool:
   """Whether a dataset of the files `pins` (their listings) is read whole at build: all in
-  a bucket, each at most `WHOLE_OBJECT_BYTES`, and their bytes fit in what this process may
-  still hold (then reserved)."""
+  a bucket, each at most `whole_objects.OBJECT_BYTES`, and their bytes fit in what this
+  process may still hold (then reserved: `read` reads those whole)."""
   pins = list(pins)
   if not pins or not all(fs.is_uri(p.path) and p.size is not None
-                         and int(p.size) <= WHOLE_OBJECT_BYTES for p in pins):
+                         and int(p.size) <= whole_objects.OBJECT_BYTES for p in pins):
     return False
-  return _HELD.reserve(pins)
+  return whole_objects.HELD.reserve({_key(p): int(p.size) for p in pins})
 
 
 def held(pin) -> bytes | None:
   """The whole bytes of the content `pin` saw, if this process holds them."""
-  return None if pin is None else _HELD.get(_key(pin))
+  return None if pin is None else whole_objects.HELD.get(_key(pin))
 
 
 def hold(pin, data: bytes) -> None:
   """Holds `data`, the whole content `pin` saw (a worker: its source's, pickled to it)."""
-  _HELD.put(_key(pin), data)
+  whole_objects.HELD.put(_key(pin), data)
 
 
-def read(path: str, pin=None, *, at_build: bool, whole: bool = False) -> pq.FileMetaData:
+def read(path: str, pin=None, *, at_build: bool) -> pq.FileMetaData:
   """A parquet file's footer: the one kept for the content `pin` (its listing: on a
   bucket no HEAD for its size) saw, else read now and kept for the next reads.
 
-  `whole` (an object with its `pin`, of a dataset `read_whole` admitted): the object is
-  read whole instead, in one request pinned to `pin`, and held (`held`).
+  An object of a dataset `read_whole` admitted (its `pin` reserved) is read whole
+  instead, in one request pinned to `pin`, and held (`held`).
 
   `at_build`: any failure is a DatasetError naming the file, and a footer read now is
   checked (`check_footer`) before any count sizes anything. Else (a row group's read,
@@ -225,7 +190,8 @@ def read(path: str, pin=None, *, at_build: bool, whole: bool = False) -> pq.File
     return meta
   try:
     data = held(pin)
-    if data is None and whole and pin is not None and pin.size is not None and fs.is_uri(path):
+    if (data is None and pin is not None and fs.is_uri(path)
+        and whole_objects.HELD.reserved(_key(pin))):
       data = fs.read_range(path, 0, int(pin.size), pin=pin)
       if len(data) != int(pin.size):
         raise OSError(f"{path}: {len(data)} bytes read whole, {pin.size} listed")
