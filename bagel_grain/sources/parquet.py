@@ -62,8 +62,15 @@ def _give_back_freed() -> None:
   decoded images, that made a row group more of the process's peak. One purge per row
   group read (a few `madvise` calls). Our own pool only: a pool the host chose
   (`ARROW_DEFAULT_MEMORY_POOL`) is the host's to manage."""
-  if not os.environ.get("ARROW_DEFAULT_MEMORY_POOL"):
-    _memory_pool().release_unused()
+  pool = _purged_pool()
+  if pool is not None:
+    pool.release_unused()
+
+
+@functools.cache
+def _purged_pool() -> pa.MemoryPool | None:
+  """The pool `_give_back_freed` purges: ours, None where the host chose one (asked once)."""
+  return None if os.environ.get("ARROW_DEFAULT_MEMORY_POOL") else _memory_pool()
 
 
 class _RowGroupGone(Exception):
