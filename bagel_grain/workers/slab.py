@@ -145,6 +145,12 @@ class WorkerSlab:
             pass  # kept resident: only memory, never the data
 
 
+def address_of(array: np.ndarray) -> int:
+  """The address of `array`'s first byte (a microsecond or two: asked once per copy, not
+  once per mapping it is looked for in)."""
+  return array.__array_interface__["data"][0]
+
+
 class MainSlab:
   """The main process's side: a read-only mapping, elements' buffers as views of it, and the
   regions nothing references any more (`take_freed`), for the pump to give back."""
@@ -156,10 +162,13 @@ class MainSlab:
     self._start, self._end = whole.ctypes.data, whole.ctypes.data + size
     del whole  # (an array of it would keep the mapping from ever closing)
 
-  def where(self, array: np.ndarray) -> tuple[int, tuple, tuple, str] | None:
-    """`array` as `(offset, shape, strides, dtype)` in this slab, or None when it lies
-    elsewhere (the worker can then build the same array from its own mapping)."""
-    address = array.__array_interface__["data"][0]
+  def where(self, array: np.ndarray, address: int | None = None
+            ) -> tuple[int, tuple, tuple, str] | None:
+    """`array` (at `address`, if known: `address_of`) as `(offset, shape, strides, dtype)` in
+    this slab, or None when it lies elsewhere (the worker can then build the same array
+    from its own mapping)."""
+    if address is None:
+      address = address_of(array)
     if not self._start <= address < self._end:
       return None
     return address - self._start, array.shape, array.strides, array.dtype.str
