@@ -44,7 +44,17 @@ _MAX_DIMS = 4
 _ARRAY = struct.Struct(f"<4sB{_MAX_DIMS}qiq")  # dtype.str, ndim, shape (padded), joined, first
 _JOINED = struct.Struct("<4sq")  # dtype.str, length
 _FIELDS = tuple(f.name for f in dataclasses.fields(SampleLayout) if f.name != "vae_images")
-_DTYPES: dict[bytes, np.dtype] = {}
+
+
+class _Dtypes(dict):
+  """Each dtype by its padded `dtype.str`, made on first use (a lookup after that)."""
+
+  def __missing__(self, code: bytes) -> np.dtype:
+    dtype = self[code] = np.dtype(code.rstrip(b"\0").decode())
+    return dtype
+
+
+_DTYPES = _Dtypes()
 _USAGE = tuple(f.name for f in dataclasses.fields(Usage))
 
 
@@ -104,13 +114,6 @@ def is_sample(payload: bytes) -> bool:
   return payload[:4] == MAGIC
 
 
-def _dtype(code: bytes) -> np.dtype:
-  dtype = _DTYPES.get(code)
-  if dtype is None:
-    dtype = _DTYPES[code] = np.dtype(code.rstrip(b"\0").decode())
-  return dtype
-
-
 def _text_at(payload: bytes, at: int) -> tuple[str, int]:
   (n,) = _LENGTH.unpack_from(payload, at)
   return bytes(payload[at + 4:at + 4 + n]).decode("utf-8", "surrogatepass"), at + 4 + n
@@ -133,20 +136,20 @@ def decode(payload: bytes, buffers: Sequence, offsets: Sequence[int] | None = No
     buffers, offsets = list(buffers), [0] * len(buffers)
   else:
     buffers = [buffers] * len(offsets)
-  ndarray = np.ndarray
-  bases = []  # the joined buffers, one array of their dtype each
-  for (code, length), buffer, offset in zip(
-      _JOINED.iter_unpack(payload[at:at + n_joined * _JOINED.size]), buffers, offsets):
-    bases.append(ndarray((length,), _dtype(code), buffer, offset))
+  ndarray, dtypes = np.ndarray, _DTYPES
+  bases = [ndarray((length,), dtypes[code], buffer, offset)  # one per joined buffer
+           for (code, length), buffer, offset in zip(
+               _JOINED.iter_unpack(payload[at:at + n_joined * _JOINED.size]), buffers, offsets)]
   at += n_joined * _JOINED.size
   own = n_joined
   arrays = []
+  append = arrays.append
   for code, ndim, d0, d1, d2, d3, joined, first in _ARRAY.iter_unpack(
       payload[at:at + n_arrays * _ARRAY.size]):
     if joined >= 0:
-      arrays.append(bases[joined][first:first + d0])
+      append(bases[joined][first:first + d0])
     else:
-      arrays.append(ndarray((d0, d1, d2, d3)[:ndim], _dtype(code), buffers[own], offsets[own]))
+      append(ndarray((d0, d1, d2, d3)[:ndim], dtypes[code], buffers[own], offsets[own]))
       own += 1
   at += n_arrays * _ARRAY.size
   fields = [arrays[i] for i in struct.unpack_from(f"<{len(_FIELDS) + n_vae}I", payload, at)]
