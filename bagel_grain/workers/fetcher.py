@@ -460,7 +460,8 @@ class Fetcher:
       if not jobs and not freed:
         continue
       try:
-        w.conn.send(("work", jobs, freed))
+        # (`conn.send` is this pickle through a `ForkingPickler` made per message)
+        w.conn.send_bytes(pickle.dumps(("work", jobs, freed)))
       except OSError:  # the worker is gone
         if jobs:
           self._fail(f"{w.describe_exit()} before it was given work")

@@ -7,7 +7,7 @@ element's out-of-band pickle buffers (its arrays: pixels, token ids) into a free
 region of it and sends only the pickle and where the buffers lie; the main process
 unpickles them as read-only views of its own mapping: no copy, no page of fresh
 memory. A region goes back to the worker once nothing in the main process
-references any array of its element (a finalizer on the region, which every view
+references any array of its element (a weak reference to the region, which every view
 keeps alive), and the pump tells the worker so with its next message.
 
 A slab has no name: the kernel frees it when the last process that maps it is gone,
@@ -158,6 +158,9 @@ class MainSlab:
   def __init__(self, fd: int, size: int):
     self._map = mmap.mmap(fd, size, access=mmap.ACCESS_READ)
     self._freed: collections.deque[int] = collections.deque()
+    # Per region handed out, by its weak reference's id: the reference and the region's
+    # start (a reference and a callback cost a third of a `weakref.finalize`, one a sample).
+    self._held: dict[int, tuple[weakref.ref, int]] = {}
     whole = np.frombuffer(self._map, np.uint8)
     self._start, self._end = whole.ctypes.data, whole.ctypes.data + size
     del whole  # (an array of it would keep the mapping from ever closing)
@@ -188,8 +191,12 @@ class MainSlab:
     # the first array as its base, and only an array whose base is no array stays the base
     # of its slices (and of what unpickling makes of them).
     region = np.frombuffer(self._map, np.uint8, count=end, offset=start)
-    weakref.finalize(region, self._freed.append, start)
+    ref = weakref.ref(region, self._collected)
+    self._held[id(ref)] = ref, start
     return region, [offset for offset, _ in spans]
+
+  def _collected(self, ref: weakref.ref) -> None:
+    self._freed.append(self._held.pop(id(ref))[1])
 
   def take_freed(self) -> list[int]:
     out = []
