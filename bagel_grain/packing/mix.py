@@ -32,6 +32,7 @@ from bagel_grain.errors import StateMismatchError
 from bagel_grain.packing.drop_policy import BadRecordLimits, DropPolicy
 from bagel_grain.workers import Fetcher
 from bagel_grain.packing.prepare import PreparedSample
+from bagel_grain.packing import draw_key
 from bagel_grain.packing.shares import cumulative_shares
 from bagel_grain.packing.stage import PositionedStageIterator
 from bagel_grain.packing.state import entry, sequence, whole
@@ -87,15 +88,13 @@ def draw_group(seed: int, process_index: int, draw: int, weights: Sequence[float
 
 
 def draw_uniform(seed: int, process_index: int, draw: int) -> float:
-  """Weighted draw number `draw`'s uniform in [0, 1), keyed by (seed, process, draw).
-
-  Numbers under 2**32 are one word each of the key, as numpy splits a list of ints: given
-  as those words (an array of uint32), the key is the same and numpy skips converting a
-  list, half of a draw's cost (the main process makes about eight a row)."""
-  key = [seed, _DRAW_STREAM, process_index, draw]
+  """Weighted draw number `draw`'s uniform in [0, 1), keyed by (seed, process, draw):
+  `np.random.default_rng([seed, stream, process, draw]).random()`, worked out in Python
+  when every number is under 2**32 (`draw_key`: a third of numpy's cost per draw)."""
+  key = (seed, _DRAW_STREAM, process_index, draw)
   if 0 <= min(key) and max(key) < _WORD:
-    return np.random.default_rng(np.array(key, np.uint32)).random()
-  return np.random.default_rng(key).random()
+    return draw_key.uniform(*key)
+  return np.random.default_rng(list(key)).random()
 
 
 def group_at(u: float, cumulative: Sequence[float]) -> int:
