@@ -13,8 +13,8 @@ from hypothesis import given, settings, strategies as st
 from bagel_grain.errors import StateMismatchError
 from bagel_grain.workers import Fetcher
 from bagel_grain.packing.mix import (
-    MANDATORY_READ_AHEAD, MIN_READ_AHEAD, READ_AHEAD_PER_WORKER, draw_group, group_at,
-    read_ahead)
+    MANDATORY_READ_AHEAD, MIN_READ_AHEAD, READ_AHEAD_PER_WORKER, draw_group, draw_uniform,
+    group_at, read_ahead)
 from bagel_grain.packing.shares import cumulative_shares
 from packer_samples import make_sample, mixed
 from resume import assert_resumes_identically, take
@@ -91,6 +91,16 @@ def test_a_draw_depends_only_on_seed_process_and_draw_number():
   without = [draw_group(5, 0, d, [1.0, 1.0, 1.0], [True, False, True]) for d in range(200)]
   assert 1 not in without
   assert all(a == b for a, b in zip(draws, without) if a != 1)
+
+
+@settings(max_examples=300, deadline=None)
+@given(seed=st.one_of(st.integers(0, 2**32 - 1), st.integers(2**32 - 2, 2**70)),
+       process=st.integers(0, 2**33), draw=st.integers(0, 2**34))
+def test_a_draw_is_the_generator_keyed_by_the_list_of_its_numbers(seed, process, draw):
+  """Keyed by uint32 words when every number fits one (faster), by the list otherwise:
+  the same uniform either way, on both sides of 2**32."""
+  want = np.random.default_rng([seed, 0xD7A3, process, draw]).random()
+  assert draw_uniform(seed, process, draw) == want
 
 
 @settings(max_examples=300, deadline=None)

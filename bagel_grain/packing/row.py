@@ -194,24 +194,29 @@ def write_row(row: PackedRow, layouts: Sequence[SampleLayout], *,
   """Writes the samples' layouts, in order, into `row` (or a view of a batch row) that holds
   an empty row, or a row that wrote `previous`.
 
-  Each concatenated field is one concatenation and one slice assignment. The result
-  is the same, bit for bit, whatever `previous` wrote. Each image's pixels go through
-  `copy` (which may leave them to a worker: they are in place once it says so).
-  Returns what it wrote: the `previous` of the next row written there.
+  Each concatenated field is one concatenation straight into its slots (no array in
+  between: a row's token fields are about 1 MB), then each sample's part of a shifted
+  field is shifted in place. The result is the same, bit for bit, whatever `previous`
+  wrote. Each image's pixels go through `copy` (which may leave them to a worker: they
+  are in place once it says so). Returns what it wrote: the `previous` of the next row
+  written there.
   """
   extent = Extent.of(layouts)
   _clear(row, previous, extent, copy)
   used = dict(extent.used)
-  shifts = _shifts(layouts)
-  # Per field, its parts (one attrgetter call per sample, not one getattr per field too).
-  columns = zip(*map(_FIELDS_OF, layouts)) if layouts else [()] * len(_WRITTEN)
-  for (name, symbol, shifted_by), parts in zip(_WRITTEN, columns):
-    if shifted_by is not None:
-      parts = [p + s for p, s in zip(parts, shifts[shifted_by])]
-    array = row[name]
-    array[:used[symbol]] = concat(parts, array.dtype)
-  lens = [x.num_tokens for x in layouts]
-  row["segment_ids"][:used["L"]] = np.repeat(np.arange(1, len(layouts) + 1, dtype=np.int32), lens)
+  if layouts:
+    shifts = _shifts(layouts)
+    # Per field, its parts (one attrgetter call per sample, not one getattr per field too).
+    for (name, symbol, shifted_by), parts in zip(_WRITTEN, zip(*map(_FIELDS_OF, layouts))):
+      out = row[name][:used[symbol]]
+      _join(parts, out)
+      if shifted_by is not None:
+        _shift(out, parts, shifts[shifted_by])
+    start = 0
+    segments = row["segment_ids"]
+    for n, x in enumerate(layouts, 1):
+      segments[start:start + x.num_tokens] = n
+      start += x.num_tokens
   _write_vit_patches(row, layouts, copy)
   _write_vae_images(row, layouts, copy)
   row["num_tokens"][...] = used["L"]
@@ -219,6 +224,26 @@ def write_row(row: PackedRow, layouts: Sequence[SampleLayout], *,
   row["num_vae_tokens"][...] = used["T"]
   row["num_samples"][...] = len(layouts)
   return extent
+
+
+def _join(parts: Sequence[np.ndarray], out: np.ndarray) -> None:
+  """`out[...] = concat(parts, out.dtype)`, without the array in between when every part
+  has `out`'s dtype (always, for a layout's arrays)."""
+  try:
+    np.concatenate(parts, out=out, casting="no")
+  except TypeError:  # a part of another dtype: converted as `concat` converts it
+    out[...] = concat(parts, out.dtype)
+
+
+def _shift(out: np.ndarray, parts: Sequence[np.ndarray], shifts: Sequence[int]) -> None:
+  """Adds to each part's values, in place in `out`, the count of what the samples before
+  it hold (the same int32 sums as shifting each part before joining them)."""
+  start = 0
+  for part, shift in zip(parts, shifts):
+    end = start + len(part)
+    if shift and end > start:
+      out[start:end] += shift
+    start = end
 
 
 def _clear(row: PackedRow, previous: Extent, extent: Extent, copy: Copy) -> None:
@@ -243,13 +268,19 @@ def _clear(row: PackedRow, previous: Extent, extent: Extent, copy: Copy) -> None
       copy(images[slot, :min(old_h, new_h), new_w:old_w], _ZERO)
 
 
-def _shifts(layouts: Sequence[SampleLayout]) -> dict[str, np.ndarray]:
+def _shifts(layouts: Sequence[SampleLayout]) -> dict[str, list[int]]:
   """Per sample: tokens, splits and ViT images of the samples before it."""
-  def before(counts):
-    return np.cumsum([0] + counts[:-1]).astype(np.int32)
-  return {"tokens": before([x.num_tokens for x in layouts]),
-          "splits": before([x.num_splits for x in layouts]),
-          "vit_images": before([int(x.vit_image_ids.max(initial=0)) for x in layouts])}
+  before: dict[str, list[int]] = {"tokens": [], "splits": [], "vit_images": []}
+  tokens = splits = images = 0
+  for x in layouts:
+    before["tokens"].append(tokens)
+    before["splits"].append(splits)
+    before["vit_images"].append(images)
+    tokens += x.num_tokens
+    splits += x.num_splits
+    if len(x.vit_image_ids):  # (none: a max of 0)
+      images += int(x.vit_image_ids.max(initial=0))
+  return before
 
 
 def _write_vit_patches(row: PackedRow, layouts: Sequence[SampleLayout], copy: Copy) -> None:

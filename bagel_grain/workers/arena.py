@@ -106,9 +106,11 @@ class Arena:
     with self._lock:
       self._free.append(slot)
 
-  def where(self, array: np.ndarray) -> Where | None:
-    """`array` as `(offset, shape, strides, dtype)` in the arena, or None if it lies elsewhere."""
-    address = array.__array_interface__["data"][0]
+  def where(self, array: np.ndarray, address: int | None = None) -> Where | None:
+    """`array` (at `address`, if known) as `(offset, shape, strides, dtype)` in the arena, or
+    None if it lies elsewhere."""
+    if address is None:
+      address = slabs.address_of(array)
     if not self._start <= address < self._start + self.size:
       return None
     return address - self._start, array.shape, array.strides, array.dtype.str

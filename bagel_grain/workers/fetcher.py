@@ -54,6 +54,7 @@ from bagel_grain.errors import StorageUnavailableError
 from bagel_grain.sources import readahead
 from bagel_grain.sources.readahead import close_read_ahead
 from bagel_grain.workers import arena as arenas
+from bagel_grain.workers import slab as slabs
 from bagel_grain.workers.process import GUARD_HINT, Worker, WorkerError, recv, start_workers
 
 _MIN_START_TIMEOUT_S = 120.0  # importing the main script on a busy host can take that long
@@ -307,8 +308,9 @@ class Fetcher:
 
   def slab_of(self, array: Any) -> tuple[int, tuple] | None:
     """(the worker, where in its slab) for an array that lies in a worker's slab, else None."""
+    address = slabs.address_of(array)
     for n, w in enumerate(self._workers):
-      at = w.slab.where(array) if w.slab is not None else None
+      at = w.slab.where(array, address) if w.slab is not None else None
       if at is not None:
         return n, at
     return None
@@ -458,7 +460,8 @@ class Fetcher:
       if not jobs and not freed:
         continue
       try:
-        w.conn.send(("work", jobs, freed))
+        # (`conn.send` is this pickle through a `ForkingPickler` made per message)
+        w.conn.send_bytes(pickle.dumps(("work", jobs, freed)))
       except OSError:  # the worker is gone
         if jobs:
           self._fail(f"{w.describe_exit()} before it was given work")

@@ -33,6 +33,7 @@ import pickle
 import signal
 import queue
 import socket
+import struct
 import threading
 import time
 import traceback
@@ -46,6 +47,8 @@ from bagel_grain.workers import entry, sample_wire, slab as slabs
 from bagel_grain.sources import readahead
 from bagel_grain.errors import BagelGrainError, StorageUnavailableError
 
+_SIZE = struct.Struct("!i")  # a `Connection` frame's size (-1: an 8-byte size follows)
+_LONG_SIZE = struct.Struct("!Q")
 _SOCKET_BUFFER = 4 << 20
 WORKER_NICENESS = 10  # added to the main process's niceness for each worker
 GUARD_HINT = (
@@ -100,12 +103,42 @@ def send(conn: Connection, status: str, job: tuple[int, int], value: Any,
         conn.send_bytes(buffer.raw())
 
 
+def _message(conn: Connection) -> Any:
+  """`conn.recv()`: the same frame (a 4-byte big-endian size, then the pickle) read with a
+  plain read per part, as the pump reads a dozen a row (`Connection` makes a `BytesIO`
+  per read)."""
+  fd = conn.fileno()
+  (size,) = _SIZE.unpack(_read(fd, 4, start=True))
+  if size == -1:
+    (size,) = _LONG_SIZE.unpack(_read(fd, 8))
+  return pickle.loads(_read(fd, size))
+
+
+def _read(fd: int, size: int, *, start: bool = False) -> bytes:
+  """Exactly `size` bytes of `fd`: EOFError at its end before a message (`start`), as
+  `Connection` raises it, OSError within one."""
+  data = os.read(fd, size)
+  if len(data) == size:
+    return data
+  parts = [data]
+  got = len(data)
+  while data and got < size:
+    data = os.read(fd, size - got)
+    parts.append(data)
+    got += len(data)
+  if got < size:
+    if start and not got:
+      raise EOFError
+    raise OSError("got end of file during message")
+  return b"".join(parts)
+
+
 def recv(conn: Connection, slab: slabs.MainSlab | None = None
          ) -> tuple[str, tuple[int, int], Any, storage.ElementStorage, dict[str, int]]:
   """What `send` sent: status, job, value, storage cost, and the worker's memory held.
   The value's arrays are read-only views of the slab, or of the bytes received.
   A copy's acknowledgement is status "copied", its token and its error (None)."""
-  header = conn.recv()
+  header = _message(conn)
   if header[0] == "copied":
     return "copied", header[1], header[2], storage.ElementStorage(0, 0.0), None
   status, job, count, retries, wait_s, placed, held, payload = header

@@ -7,7 +7,7 @@ element's out-of-band pickle buffers (its arrays: pixels, token ids) into a free
 region of it and sends only the pickle and where the buffers lie; the main process
 unpickles them as read-only views of its own mapping: no copy, no page of fresh
 memory. A region goes back to the worker once nothing in the main process
-references any array of its element (a finalizer on the region, which every view
+references any array of its element (a weak reference to the region, which every view
 keeps alive), and the pump tells the worker so with its next message.
 
 A slab has no name: the kernel frees it when the last process that maps it is gone,
@@ -145,6 +145,12 @@ class WorkerSlab:
             pass  # kept resident: only memory, never the data
 
 
+def address_of(array: np.ndarray) -> int:
+  """The address of `array`'s first byte (a microsecond or two: asked once per copy, not
+  once per mapping it is looked for in)."""
+  return array.__array_interface__["data"][0]
+
+
 class MainSlab:
   """The main process's side: a read-only mapping, elements' buffers as views of it, and the
   regions nothing references any more (`take_freed`), for the pump to give back."""
@@ -152,14 +158,20 @@ class MainSlab:
   def __init__(self, fd: int, size: int):
     self._map = mmap.mmap(fd, size, access=mmap.ACCESS_READ)
     self._freed: collections.deque[int] = collections.deque()
+    # Per region handed out, by its weak reference's id: the reference and the region's
+    # start (a reference and a callback cost a third of a `weakref.finalize`, one a sample).
+    self._held: dict[int, tuple[weakref.ref, int]] = {}
     whole = np.frombuffer(self._map, np.uint8)
     self._start, self._end = whole.ctypes.data, whole.ctypes.data + size
     del whole  # (an array of it would keep the mapping from ever closing)
 
-  def where(self, array: np.ndarray) -> tuple[int, tuple, tuple, str] | None:
-    """`array` as `(offset, shape, strides, dtype)` in this slab, or None when it lies
-    elsewhere (the worker can then build the same array from its own mapping)."""
-    address = array.__array_interface__["data"][0]
+  def where(self, array: np.ndarray, address: int | None = None
+            ) -> tuple[int, tuple, tuple, str] | None:
+    """`array` (at `address`, if known: `address_of`) as `(offset, shape, strides, dtype)` in
+    this slab, or None when it lies elsewhere (the worker can then build the same array
+    from its own mapping)."""
+    if address is None:
+      address = address_of(array)
     if not self._start <= address < self._end:
       return None
     return address - self._start, array.shape, array.strides, array.dtype.str
@@ -179,8 +191,12 @@ class MainSlab:
     # the first array as its base, and only an array whose base is no array stays the base
     # of its slices (and of what unpickling makes of them).
     region = np.frombuffer(self._map, np.uint8, count=end, offset=start)
-    weakref.finalize(region, self._freed.append, start)
+    ref = weakref.ref(region, self._collected)
+    self._held[id(ref)] = ref, start
     return region, [offset for offset, _ in spans]
+
+  def _collected(self, ref: weakref.ref) -> None:
+    self._freed.append(self._held.pop(id(ref))[1])
 
   def take_freed(self) -> list[int]:
     out = []
