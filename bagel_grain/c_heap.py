@@ -8,7 +8,7 @@ between the halves, to 463-517 MiB. With `WORKER_ARENAS` arenas they held 272-29
 with the same rows. A host's process is not ours to configure; a worker is, and it sets
 the limit as it starts, before its threads. A no-op where the C library is not glibc.
 
-The main process keeps glibc's settings, but when it decodes elements itself while
+The main process is the host's: it keeps glibc's settings but one (below). When it decodes elements itself while
 workers run (stragglers: a worker held up by a long element), its threads touch memory
 that their arenas keep once freed. With workers it hands the freed pages of every arena
 back to the kernel at most every `TRIM_INTERVAL_S` (`release_freed`, glibc's
@@ -25,7 +25,7 @@ So, with workers only, the main process fixes that threshold at `MAIN_TRIM_THRES
 (`keep_thread_tops_trimmed`, once): this is a setting of the host's allocator, the one
 this module changes there, and it has a cost: a thread that frees a block at its arena's
 top and allocates it again faults its pages in again (a 4-12 MiB buffer freed and taken
-again in a loop: 1.4-17 ms instead of 0.2-1.5 ms; docs/performance.md, the soak). It
+again in a loop: 1.4-18 ms instead of 0.2-1.5 ms; docs/performance.md, the soak). It
 also stops glibc moving its `mmap` threshold, which stays where it was then.
 """
 
