@@ -462,7 +462,9 @@ def mmap_threshold_probe() -> int | None:
   starts at 128 KiB and raises the threshold to the size of each mmapped block freed
   (up to 32 MiB), after which blocks below it come from the arenas. Found by allocating
   and freeing a block of each size in turn (the chunk header's IS_MMAPPED bit); None off
-  glibc, 0 when none of the sizes was mmapped."""
+  glibc, 0 when none of the sizes was mmapped. A bound from above (a smaller block may
+  have come from free memory), and not without effect: where glibc still moves its
+  threshold, freeing the mmapped probe raises it to that size."""
   try:
     libc = ctypes.CDLL(None)
   except OSError:
@@ -475,8 +477,8 @@ def mmap_threshold_probe() -> int | None:
     if not p:
       return None
     mmapped = ctypes.c_size_t.from_address(p - ctypes.sizeof(ctypes.c_size_t)).value & 2
-    libc.free(p)  # an mmapped block freed raises the threshold only if it is larger: no
-    if mmapped:   # change here (its size is the one the threshold already allowed)
+    libc.free(p)
+    if mmapped:
       return size
   return 0
 
