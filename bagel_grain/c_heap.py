@@ -8,9 +8,9 @@ between the halves, to 463-517 MiB. With `WORKER_ARENAS` arenas they held 272-29
 with the same rows. A host's process is not ours to configure; a worker is, and it sets
 the limit as it starts, before its threads. A no-op where the C library is not glibc.
 
-The main process is the host's: it keeps glibc's settings but one (below). When it decodes elements itself while
-workers run (stragglers: a worker held up by a long element), its threads touch memory
-that their arenas keep once freed. With workers it hands the freed pages of every arena
+The main process is the host's: it keeps glibc's settings but one (below). When it
+decodes elements itself while workers run (stragglers: a worker held up by a long
+element), its threads touch memory that their arenas keep once freed. With workers it hands the freed pages of every arena
 back to the kernel at most every `TRIM_INTERVAL_S` (`release_freed`, glibc's
 `malloc_trim`, 3-4 ms a call in the soak): what is in use is untouched.
 
@@ -67,9 +67,9 @@ def release_freed() -> bool:
 
 def keep_thread_tops_trimmed(threshold: int | None = None) -> bool:
   """From now on every arena's free top beyond `threshold` bytes (default
-  `MAIN_TRIM_THRESHOLD`; when that is None, nothing is changed) goes back to the kernel when a block
-  next to it is freed (`mallopt(M_TRIM_THRESHOLD)`; glibc no longer moves that threshold,
-  nor its mmap threshold, by itself). True when set."""
+  `MAIN_TRIM_THRESHOLD`; when that is None, nothing is changed) goes back to the kernel
+  when a block next to it is freed (`mallopt(M_TRIM_THRESHOLD)`; glibc no longer moves
+  that threshold, nor its mmap threshold, by itself). True when set."""
   threshold = MAIN_TRIM_THRESHOLD if threshold is None else threshold
   return bool(threshold is not None and _LIBC is not None
               and _LIBC.mallopt(_M_TRIM_THRESHOLD, threshold))

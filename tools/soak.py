@@ -545,7 +545,7 @@ def main(argv=None) -> int:
                            "from the first half to the second")
   parser.add_argument("--malloc-trace", metavar="FILE",
                       help="at each report, write the main process's glibc arenas "
-                           "(malloc_info: size, free, free in chunks of 128 KiB or more), "
+                           "(malloc_info: size, free, free in chunks of 128 KiB or more, top), "
                            "its mmap threshold (probed) and its threads here (JSON)")
   parser.add_argument("--main-mmap-threshold", type=int, default=0, metavar="BYTES",
                       help="an experiment: mallopt(M_MMAP_THRESHOLD, BYTES) in the main "
