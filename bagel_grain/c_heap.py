@@ -10,9 +10,10 @@ the limit as it starts, before its threads. A no-op where the C library is not g
 
 The main process is the host's: it keeps glibc's settings but one (below). When it
 decodes elements itself while workers run (stragglers: a worker held up by a long
-element), its threads touch memory that their arenas keep once freed. With workers it hands the freed pages of every arena
-back to the kernel at most every `TRIM_INTERVAL_S` (`release_freed`, glibc's
-`malloc_trim`, 3-4 ms a call in the soak): what is in use is untouched.
+element), its threads touch memory that their arenas keep once freed. With workers it
+hands the freed pages of every arena back to the kernel at most every `TRIM_INTERVAL_S`
+(`release_freed`, glibc's `malloc_trim`, 3-4 ms a call in the soak): what is in use is
+untouched.
 
 That is not enough alone: `malloc_trim` gives back the free pages inside an arena and
 the top of the main arena, but not the top of a thread arena (its free end), which glibc

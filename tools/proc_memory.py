@@ -423,9 +423,10 @@ def malloc_info_xml() -> str | None:
 def malloc_arenas(xml: str | None = None) -> list[dict] | None:
   """Per glibc arena of this process (from `malloc_info`), MiB: its size (`system`),
   what is free in it (`free`: fast bins and the rest), of that what lies in free chunks
-  of 128 KiB or more (`free_large`), its top chunk (`top`: free memory at the end
-  of the arena, which `malloc_trim` leaves in a thread arena), its largest free chunk size class (`largest_free`,
-  the top of it), and how many free chunks it holds. The main arena is nr 0."""
+  of 128 KiB or more (`free_large`), its top chunk (`top`: free memory at the end of
+  the arena, which `malloc_trim` leaves in a thread arena), its largest free chunk size
+  class (`largest_free`, the top of it), and how many free chunks it holds. The main
+  arena is nr 0."""
   import xml.etree.ElementTree as ET  # pylint: disable=import-outside-toplevel
   xml = malloc_info_xml() if xml is None else xml
   if xml is None:
