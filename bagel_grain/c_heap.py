@@ -8,12 +8,26 @@ between the halves, to 463-517 MiB. With `WORKER_ARENAS` arenas they held 272-29
 with the same rows. A host's process is not ours to configure; a worker is, and it sets
 the limit as it starts, before its threads. A no-op where the C library is not glibc.
 
-The main process keeps glibc's settings, but when it decodes elements itself while
-workers run (stragglers: a worker held up by a long element), its threads touch memory
-that their arenas keep once freed. With workers it hands the freed pages of every arena
-back to the kernel at most every `TRIM_INTERVAL_S` (`release_freed`, glibc's
-`malloc_trim`, 3-4 ms a call in the soak): what is in use is untouched, nothing is
-configured.
+The main process is the host's: it keeps glibc's settings but one (below). When it
+decodes elements itself while workers run (stragglers: a worker held up by a long
+element), its threads touch memory that their arenas keep once freed. With workers it
+hands the freed pages of every arena back to the kernel at most every `TRIM_INTERVAL_S`
+(`release_freed`, glibc's `malloc_trim`, 3-4 ms a call in the soak): what is in use is
+untouched.
+
+That is not enough alone: `malloc_trim` gives back the free pages inside an arena and
+the top of the main arena, but not the top of a thread arena (its free end), which glibc
+shrinks only when a free leaves it over `M_TRIM_THRESHOLD`. And glibc raises that
+threshold by itself, to twice the size of the largest `mmap`ped block freed so far (with
+`M_MMAP_THRESHOLD`, up to 32 MiB and 64 MiB): after the first freed image-sized array
+(in the soak within the first 26 s), each thread arena keeps the high point of its
+image-sized blocks (files read, decoded pixels) for good, 10-34 MiB each, 15 arenas.
+So, with workers only, the main process fixes that threshold at `MAIN_TRIM_THRESHOLD`
+(`keep_thread_tops_trimmed`, once): this is a setting of the host's allocator, the one
+this module changes there, and it has a cost: a thread that frees a block at its arena's
+top and allocates it again faults its pages in again (a 4-12 MiB buffer freed and taken
+again in a loop: 1.4-18 ms instead of 0.2-1.5 ms; docs/performance.md, the soak). It
+also stops glibc moving its `mmap` threshold, which stays where it was then.
 """
 
 from __future__ import annotations
@@ -22,7 +36,11 @@ import ctypes
 
 WORKER_ARENAS = 2
 TRIM_INTERVAL_S = 5.0  # the main process's freed heap pages go back at most this often
-_M_ARENA_MAX = -8  # mallopt's parameter, from glibc's malloc.h
+# The most free memory a thread arena keeps at its top in the main process with workers
+# (glibc's initial M_TRIM_THRESHOLD is 128 KiB; it moves with the mmap threshold).
+MAIN_TRIM_THRESHOLD: int | None = 1 << 20
+_M_TRIM_THRESHOLD = -1  # mallopt's parameters, from glibc's malloc.h
+_M_ARENA_MAX = -8
 
 
 def _glibc():
@@ -46,3 +64,13 @@ def release_freed() -> bool:
   """Gives the kernel back the whole pages that glibc's arenas keep freed (`malloc_trim(0)`:
   every arena, not only the top of the main heap); True when some were released."""
   return bool(_LIBC is not None and hasattr(_LIBC, "malloc_trim") and _LIBC.malloc_trim(0))
+
+
+def keep_thread_tops_trimmed(threshold: int | None = None) -> bool:
+  """From now on every arena's free top beyond `threshold` bytes (default
+  `MAIN_TRIM_THRESHOLD`; when that is None, nothing is changed) goes back to the kernel
+  when a block next to it is freed (`mallopt(M_TRIM_THRESHOLD)`; glibc no longer moves
+  that threshold, nor its mmap threshold, by itself). True when set."""
+  threshold = MAIN_TRIM_THRESHOLD if threshold is None else threshold
+  return bool(threshold is not None and _LIBC is not None
+              and _LIBC.mallopt(_M_TRIM_THRESHOLD, threshold))

@@ -36,3 +36,46 @@ def test_a_worker_s_limit_keeps_eight_threads_to_its_arenas():
   assert _arenas(0) > c_heap.WORKER_ARENAS  # unlimited: the threads spread over more arenas
   assert _arenas(c_heap.WORKER_ARENAS) <= c_heap.WORKER_ARENAS
 
+
+
+_TOP = textwrap.dedent("""
+    import ctypes, sys, threading
+    from bagel_grain import c_heap
+    libc = ctypes.CDLL(None)
+    libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t]
+    libc.free.argtypes = [ctypes.c_void_p]
+    class MallInfo2(ctypes.Structure):
+      _fields_ = [(n, ctypes.c_size_t) for n in ("arena", "ordblks", "smblks", "hblks",
+                  "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks", "keepcost")]
+    libc.mallinfo2.restype = MallInfo2
+    libc.free(libc.malloc(20 << 20))  # an mmapped block freed: glibc raises its thresholds
+    if sys.argv[1] == "trimmed":
+      assert c_heap.keep_thread_tops_trimmed()
+    before = libc.mallinfo2().arena
+    def images():  # image-sized blocks in a thread's arena, written, then freed
+      blocks = [libc.malloc(3 << 20) for _ in range(8)]
+      for b in blocks:
+        ctypes.memset(b, 1, 3 << 20)
+      for b in blocks:
+        libc.free(b)
+    thread = threading.Thread(target=images)
+    thread.start()
+    thread.join()
+    libc.malloc_trim(0)  # what the fetcher does now and then: not the thread arena's top
+    print((libc.mallinfo2().arena - before) >> 20)  # MiB the arenas still hold from the system
+""")
+
+
+def _kept_mib(how: str) -> int:
+  done = subprocess.run([sys.executable, "-c", _TOP, how], capture_output=True, text=True,
+                        timeout=120, check=True)
+  return int(done.stdout)
+
+
+@pytest.mark.skipif(c_heap._LIBC is None or not hasattr(c_heap._LIBC, "mallinfo2"),  # pylint: disable=protected-access
+                    reason="glibc 2.33's malloc only")
+def test_with_tops_trimmed_a_thread_arena_gives_back_the_image_sized_blocks_it_freed():
+  # The soak's main process: glibc's thresholds rise after one large block is freed, and
+  # from then on each thread arena kept the top it reached, malloc_trim or not.
+  assert _kept_mib("glibc") >= 20
+  assert _kept_mib("trimmed") <= 2

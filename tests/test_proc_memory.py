@@ -127,3 +127,35 @@ def test_pymalloc_arenas_are_counted():
   small = [object() for _ in range((before + 4) << 16)]
   assert proc_memory.pymalloc_arenas() - before >= 4
   del small
+
+
+_MALLOC_INFO = """<malloc version="1">
+<heap nr="0">
+<sizes>
+  <size from="33" to="48" total="96" count="2"/>
+  <size from="131073" to="262144" total="%d" count="1"/>
+  <unsorted from="1025" to="4096" total="4096" count="1"/>
+</sizes>
+<total type="fast" count="2" size="96"/>
+<total type="rest" count="3" size="%d"/>
+<system type="current" size="%d"/>
+<system type="max" size="%d"/>
+</heap>
+<total type="fast" count="2" size="96"/>
+</malloc>""" % (200 << 10, (200 << 10) + 4096 + (3 << 20), 8 << 20, 9 << 20)
+
+
+def test_an_arena_s_top_is_what_is_free_in_it_outside_its_bins():
+  # malloc_info counts the top chunk in "rest" without listing it: it is what is left.
+  (arena,) = proc_memory.malloc_arenas(_MALLOC_INFO)
+  assert arena["nr"] == 0 and arena["system"] == 8.0 and arena["system_max"] == 9.0
+  assert arena["top"] == 3.0
+  assert arena["free_large"] == 0.2 and arena["free_chunks"] == 3
+  assert arena["free"] == round(((200 << 10) + 4096 + (3 << 20) + 96) / MIB, 1)
+
+
+@pytest.mark.skipif(proc_memory.malloc_info_xml() is None, reason="glibc's malloc only")
+def test_this_process_s_arenas_are_read_from_malloc_info():
+  arenas = proc_memory.malloc_arenas()
+  assert arenas and arenas[0]["nr"] == 0 and arenas[0]["system"] > 0
+  assert proc_memory.mmap_threshold_probe() >= 128 << 10

@@ -527,3 +527,24 @@ def test_with_workers_the_main_process_gives_freed_heap_pages_back_now_and_then(
   finally:
     inline_only.close()
   assert len(trims) == 10 and inline_only.heap_trims == 0
+
+
+def test_with_workers_the_main_process_keeps_its_thread_arenas_tops_trimmed(monkeypatch):
+  # Its threads' freed image-sized blocks stayed at their arenas' tops, which malloc_trim
+  # does not give back (c_heap); with workers the fetcher sets glibc's trim threshold,
+  # without them the host's allocator is left as it is.
+  calls = []
+  monkeypatch.setattr(c_heap, "keep_thread_tops_trimmed", lambda: calls.append(1) or True)
+  inline_only = Fetcher([Squares(10)], workers=0, depths=[2])
+  try:
+    assert np.array_equal(inline_only.get(0, 3), np.full(3, 9))
+  finally:
+    inline_only.close()
+  assert not calls
+  with deadline(120):
+    fetcher = Fetcher([Squares(10)], workers=1, depths=[2])
+    try:
+      assert np.array_equal(fetcher.get(0, 3), np.full(3, 9))
+    finally:
+      fetcher.close()
+  assert calls == [1]

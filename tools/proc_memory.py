@@ -390,3 +390,123 @@ def _halves(samples: list[tuple[float, dict[str, float]]], half: float) -> dict:
     out["growth"] = {k: round(out["second_half"][k] - out["first_half"][k], 1)
                      for k in out["first_half"] if k != "samples"}
   return out
+
+
+def malloc_info_xml() -> str | None:
+  """glibc's `malloc_info(0, ...)` of this process: an XML element per arena (`heap`),
+  with its free chunks by size, its size now and at most; None off glibc."""
+  try:
+    libc = ctypes.CDLL(None)
+    libc.malloc_info  # pylint: disable=pointless-statement
+  except (OSError, AttributeError):
+    return None
+  libc.open_memstream.restype = ctypes.c_void_p
+  libc.open_memstream.argtypes = [ctypes.POINTER(ctypes.c_void_p),
+                                  ctypes.POINTER(ctypes.c_size_t)]
+  libc.malloc_info.argtypes = [ctypes.c_int, ctypes.c_void_p]
+  libc.fclose.argtypes = [ctypes.c_void_p]
+  libc.free.argtypes = [ctypes.c_void_p]
+  buf, size = ctypes.c_void_p(), ctypes.c_size_t()
+  stream = libc.open_memstream(ctypes.byref(buf), ctypes.byref(size))
+  if not stream:
+    return None
+  try:
+    libc.malloc_info(0, stream)
+  finally:
+    libc.fclose(stream)
+  try:
+    return ctypes.string_at(buf, size.value).decode("ascii", "replace")
+  finally:
+    libc.free(buf)
+
+
+def malloc_arenas(xml: str | None = None) -> list[dict] | None:
+  """Per glibc arena of this process (from `malloc_info`), MiB: its size (`system`),
+  what is free in it (`free`: fast bins and the rest), of that what lies in free chunks
+  of 128 KiB or more (`free_large`), its top chunk (`top`: free memory at the end of
+  the arena, which `malloc_trim` leaves in a thread arena), its largest free chunk size
+  class (`largest_free`, the top of it), and how many free chunks it holds. The main
+  arena is nr 0."""
+  import xml.etree.ElementTree as ET  # pylint: disable=import-outside-toplevel
+  xml = malloc_info_xml() if xml is None else xml
+  if xml is None:
+    return None
+  out = []
+  for heap in ET.fromstring(xml).iter("heap"):
+    sizes = heap.find("sizes")
+    chunks = [(int(s.get("from")), int(s.get("to")), int(s.get("total")), int(s.get("count")))
+              for s in (sizes if sizes is not None else []) if s.tag == "size"]
+    free = sum(int(t.get("size")) for t in heap.findall("total")
+               if t.get("type") in ("fast", "rest"))
+    unsorted = sum(int(s.get("total")) for s in (sizes if sizes is not None else [])
+                   if s.tag == "unsorted")
+    top = free - sum(t for *_, t, _ in chunks) - unsorted  # "rest" counts the top chunk
+    system = {s.get("type"): int(s.get("size")) for s in heap.findall("system")}
+    out.append({
+        "nr": int(heap.get("nr")),
+        "system": round(system.get("current", 0) / 2**20, 1),
+        "system_max": round(system.get("max", 0) / 2**20, 1),
+        "free": round(free / 2**20, 1),
+        "top": round(top / 2**20, 1),
+        "free_large": round(sum(t for f, _, t, _ in chunks if f >= 128 << 10) / 2**20, 1),
+        "largest_free": round(max((to for _, to, _, _ in chunks), default=0) / 2**20, 2),
+        "free_chunks": sum(c for *_, c in chunks)})
+  return out
+
+
+_M_MMAP_THRESHOLD = -3
+_PROBE_SIZES = tuple(k << 17 for k in (1, 2, 4, 8, 16, 32, 64, 128, 256))  # 128 KiB .. 32 MiB
+
+
+def mmap_threshold_probe() -> int | None:
+  """The smallest of `_PROBE_SIZES` that glibc's `malloc` serves by `mmap` now: glibc
+  starts at 128 KiB and raises the threshold to the size of each mmapped block freed
+  (up to 32 MiB), after which blocks below it come from the arenas. Found by allocating
+  and freeing a block of each size in turn (the chunk header's IS_MMAPPED bit); None off
+  glibc, 0 when none of the sizes was mmapped. A bound from above (a smaller block may
+  have come from free memory), and not without effect: where glibc still moves its
+  threshold, freeing the mmapped probe raises it to that size."""
+  try:
+    libc = ctypes.CDLL(None)
+  except OSError:
+    return None
+  libc.malloc.restype = ctypes.c_void_p
+  libc.malloc.argtypes = [ctypes.c_size_t]
+  libc.free.argtypes = [ctypes.c_void_p]
+  for size in _PROBE_SIZES:
+    p = libc.malloc(size)
+    if not p:
+      return None
+    mmapped = ctypes.c_size_t.from_address(p - ctypes.sizeof(ctypes.c_size_t)).value & 2
+    libc.free(p)
+    if mmapped:
+      return size
+  return 0
+
+
+def set_mmap_threshold(size: int) -> bool:
+  """`mallopt(M_MMAP_THRESHOLD, size)` in this process: blocks of `size` or more always
+  come from `mmap`, and glibc stops moving the threshold (an experiment's knob)."""
+  try:
+    return bool(ctypes.CDLL(None).mallopt(_M_MMAP_THRESHOLD, size))
+  except (OSError, AttributeError):
+    return False
+
+
+def thread_arena_mib(pid: int) -> list[float] | None:
+  """The anonymous MiB of each of the process's glibc thread arenas (as `split_mappings`
+  tells them), in address order."""
+  try:
+    maps = _mappings(pid)
+  except OSError:
+    return None
+  out = []
+  for i, (start, end, _, path, anon) in enumerate(maps):
+    after = maps[i + 1] if i + 1 < len(maps) else None
+    if (not path and not _MIMALLOC_HINTS[0] <= start < _MIMALLOC_HINTS[1]
+        and start % _ARENA_RESERVE == 0 and end - start <= _ARENA_RESERVE
+        and (end - start == _ARENA_RESERVE or (after is not None and after[0] == end
+                                               and after[2].startswith("---")
+                                               and after[1] - start <= _ARENA_RESERVE))):
+      out.append(round(anon / 2**20, 1))
+  return out

@@ -50,6 +50,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import tracemalloc
 from pathlib import Path
@@ -419,8 +420,22 @@ def _run(it, pipeline_stats, args, injected, rearm=None) -> dict:
     s = watch.latest(name)
     return f"{s[field]:.0f}" if s else "-"
 
+  arena_trace = []  # --malloc-trace: the main process's arenas at each report
+
+  def trace_arenas(now):
+    arenas = proc_memory.malloc_arenas() or []
+    arena_trace.append({
+        "t": round(now - start, 1), "rows": rows, "load": os.getloadavg()[0],
+        "mmap_threshold": proc_memory.mmap_threshold_probe(),
+        "c_heap": proc_memory.malloc_mib(),
+        "thread_arena_rss_mib": proc_memory.thread_arena_mib(me.pid),
+        "threads": [t.name for t in threading.enumerate()],
+        "arenas": arenas})
+
   def report(now):
     watch.sample()
+    if args.malloc_trace:
+      trace_arenas(now)
     s = stats
     ok = s["drawn"] == s["packed"] + s["dropped"] + s["buffered"] + s["carried"]
     memory = "  ".join(f"{name} {mib(name, 'VmRSS')} ({mib(name, 'RssAnon')}/"
@@ -459,6 +474,9 @@ def _run(it, pipeline_stats, args, injected, rearm=None) -> dict:
     elapsed = time.monotonic() - start
     if stats:
       report(time.monotonic())
+    if args.malloc_trace:
+      trace_arenas(time.monotonic())
+      Path(args.malloc_trace).write_text(json.dumps(arena_trace) + "\n")
     watch.stop()  # before close: the workers' last samples and peaks
     decoded_here = sum(f.inline_elements for f in live())  # before close forgets them
     trims = (sum(f.heap_trims for f in live()), sum(f.heap_trim_s for f in live()))
@@ -525,8 +543,23 @@ def main(argv=None) -> int:
   parser.add_argument("--tracemalloc", type=int, default=0, metavar="FRAMES",
                       help="trace the main process's allocations (slow): their top growth "
                            "from the first half to the second")
+  parser.add_argument("--malloc-trace", metavar="FILE",
+                      help="at each report, write the main process's glibc arenas "
+                           "(malloc_info: size, free, free in chunks of 128 KiB or more, top), "
+                           "its mmap threshold (probed) and its threads here (JSON)")
+  parser.add_argument("--main-mmap-threshold", type=int, default=0, metavar="BYTES",
+                      help="an experiment: mallopt(M_MMAP_THRESHOLD, BYTES) in the main "
+                           "process (not the workers) before the pipeline starts")
+  parser.add_argument("--main-trim-threshold", type=int, default=None, metavar="BYTES",
+                      help="the main process's c_heap.MAIN_TRIM_THRESHOLD for this run (0: "
+                           "glibc's own, moving threshold, as before 2026-12-03)")
   parser.add_argument("--series", help="write each process's memory samples here (JSON)")
   args = parser.parse_args(argv)
+  if args.main_trim_threshold is not None:
+    from bagel_grain import c_heap  # pylint: disable=import-outside-toplevel
+    c_heap.MAIN_TRIM_THRESHOLD = args.main_trim_threshold or None
+  if args.main_mmap_threshold:
+    proc_memory.set_mmap_threshold(args.main_mmap_threshold)
   summary = soak(args)
   series = summary.pop("memory_series")
   if args.series:

@@ -135,6 +135,7 @@ class Fetcher:
             "to decode in this process.") from e
       self._workers = start_workers(multiprocessing.get_context("spawn"), workers)
       readahead.set_share(None)  # this process decodes only stragglers: no read-ahead
+      c_heap.keep_thread_tops_trimmed()  # what its threads free there does go back (c_heap)
       self._payload = payload
       self._wake_reader, self._wake = os.pipe()  # a byte in it: look at `_pending` again
       self._pump = threading.Thread(target=self._run_pump, name="bagel-grain-fetch",
