@@ -79,3 +79,40 @@ def test_with_tops_trimmed_a_thread_arena_gives_back_the_image_sized_blocks_it_f
   # from then on each thread arena kept the top it reached, malloc_trim or not.
   assert _kept_mib("glibc") >= 20
   assert _kept_mib("trimmed") <= 2
+
+
+_ROUNDS = textwrap.dedent("""
+    import resource, sys, threading
+    import numpy as np
+    from bagel_grain import c_heap
+    assert c_heap.limit_arenas()
+    if sys.argv[1] == "reuse":
+      assert c_heap.reuse_freed_blocks()
+    faults = []
+    def element_after_element():  # an element's images and arrays, made and freed, 30 times
+      for i in range(30):
+        if i == 10:
+          faults.append(resource.getrusage(resource.RUSAGE_THREAD).ru_minflt)
+        held = [np.ones(size << 20, np.uint8) for size in (8, 3, 12, 2, 6)]
+        del held
+      faults.append(resource.getrusage(resource.RUSAGE_THREAD).ru_minflt)
+    thread = threading.Thread(target=element_after_element)
+    thread.start()
+    thread.join()
+    print(faults[1] - faults[0])
+""")
+
+
+def _faults(mode: str) -> int:
+  done = subprocess.run([sys.executable, "-c", _ROUNDS, mode], capture_output=True, text=True,
+                        timeout=120, check=True)
+  return int(done.stdout.split()[-1])
+
+
+@pytest.mark.skipif(c_heap._LIBC is None, reason="glibc's malloc only")  # pylint: disable=protected-access
+def test_a_worker_s_thread_uses_the_pages_of_the_last_element_again():
+  # 20 rounds of 31 MiB: glibc's own thresholds give every round fresh pages (about 56,000
+  # faults here); a worker's keep them
+  reused = _faults("reuse")
+  assert reused * 10 < _faults("default")
+  assert reused < 20 * (31 << 20) // 4096 // 10  # under a tenth of a page fault per page

@@ -11,6 +11,11 @@ workers' CPU per sample, when the workers said hello and were up (seconds from t
 build) against the start of the timed rows, and the cores the run used beside those the
 whole machine used (`/proc/stat`); then the medians.
 
+It also prints, per process and per kind of thread (the main process: main, inline,
+pump, other = read-ahead; a worker: main = messages and the batches' copies, compute =
+its busiest other thread, other = read-ahead), the CPU and the system CPU per row and
+the minor page faults per row, from `/proc/PID/task/TID/stat`.
+
 Knobs (environment of the run): BG_PROBE_NICE (the workers' niceness above the main
 process, `process.WORKER_NICENESS`), BG_PROBE_JOBS (`fetcher.JOBS_PER_WORKER`),
 BG_PROBE_TAKEOVER (`fetcher.TAKE_OVER_AFTER_S`, where the tree has it),
@@ -34,6 +39,44 @@ def _proc_stat():
     parts = [int(x) for x in f.readline().split()[1:]]
   idle = parts[3] + parts[4]
   return sum(parts) - idle, sum(parts)
+
+
+def _threads(pid: int) -> dict[int, tuple[float, float, int]]:
+  """Per thread of `pid`: (user + system CPU seconds, system CPU seconds, minor faults)."""
+  tick, out = os.sysconf("SC_CLK_TCK"), {}
+  try:
+    tids = os.listdir(f"/proc/{pid}/task")
+  except OSError:
+    return out
+  for tid in tids:
+    try:
+      with open(f"/proc/{pid}/task/{tid}/stat", encoding="ascii") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    except OSError:
+      continue
+    out[int(tid)] = ((int(fields[11]) + int(fields[12])) / tick, int(fields[12]) / tick,
+                     int(fields[7]))
+  return out
+
+
+def _by_thread(pid: int, before: dict, after: dict, names: dict[int, str]) -> dict:
+  """CPU, system CPU and minor faults of one process over the window, summed by the kind of
+  thread: "main" (the process's first thread), those `names` names, the rest "other"
+  (read-ahead); in a worker, its busiest thread besides main is "compute"."""
+  spent = {tid: tuple(a - b for a, b in zip(v, before.get(tid, (0.0, 0.0, 0))))
+           for tid, v in after.items()}
+  names = dict(names)
+  others = [t for t in spent if t != pid and t not in names]
+  if not names and others:  # a worker (or another child)
+    names[max(others, key=lambda t: spent[t][0])] = "compute"
+  out: dict[str, list] = {}
+  for tid, (cpu, sys_cpu, faults) in spent.items():
+    kind = "main" if tid == pid else names.get(tid, "other")
+    got = out.setdefault(kind, [0.0, 0.0, 0])
+    got[0] += cpu
+    got[1] += sys_cpu
+    got[2] += faults
+  return out
 
 
 def child(data: str, workers: int, rows: int, warmup: int) -> dict:
@@ -91,6 +134,8 @@ def child(data: str, workers: int, rows: int, warmup: int) -> dict:
         except psutil.Error:
           out[k.pid] = 0.0
       return out
+    pids = [os.getpid()] + [k.pid for k in kids]
+    threads0 = {pid: _threads(pid) for pid in pids}
     k0 = kid_cpu()
     inl0 = (sum(f.inline_elements for f in fetchers), sum(f.inline_cpu_s for f in fetchers))
     rec0 = received[0]
@@ -106,6 +151,12 @@ def child(data: str, workers: int, rows: int, warmup: int) -> dict:
     wall = time.perf_counter() - t_start
     s1 = _proc_stat()
     k1 = kid_cpu()
+    threads1 = {pid: _threads(pid) for pid in pids}
+    names = {fetchers[0]._inline.native_id: "inline"} if fetchers else {}
+    if fetchers and fetchers[0]._pump is not None:
+      names[fetchers[0]._pump.native_id] = "pump"
+    kinds = [_by_thread(pid, threads0[pid], threads1[pid], names if pid == os.getpid() else {})
+             for pid in pids]
     th = {k: v - th0[k] for k, v in bench._thread_cpu().items()}
     if parts0 is not None:
       parts = bench._parts(th, {k: v - parts0[k] for k, v in it.cpu_seconds().items()})
@@ -133,7 +184,11 @@ def child(data: str, workers: int, rows: int, warmup: int) -> dict:
           "hello_s": sorted(v - t0 for v in ready_at.get("hello", [])),
           "window_start_s": t_start - t0,
           "cores_busy_ours": ours / wall, "cores_busy_all": busy / wall,
-          "load": os.getloadavg()[0]}
+          "load": os.getloadavg()[0],
+          # per process (main first, then its children), per kind of thread: CPU ms per
+          # row, system CPU ms per row, minor faults per row
+          "threads_per_row": [{k: [v[0] / done * 1e3, v[1] / done * 1e3, v[2] / done]
+                               for k, v in sorted(kind.items())} for kind in kinds]}
 
 
 def run(tree, data, workers, rows, env):
@@ -180,6 +235,10 @@ def main():
             f"cores ours {got['cores_busy_ours']:.2f} all {got['cores_busy_all']:.2f}; "
             f"load {got['load']:.1f}; parts "
             + ", ".join(f"{k} {v:.1f}" for k, v in got['parts_ms_row'].items()), flush=True)
+      print("      threads (CPU / system ms per row, faults per row): " + "; ".join(
+          ("main " if i == 0 else f"child {i} ") + ", ".join(
+              f"{k} {v[0]:.1f}/{v[1]:.1f}/{v[2]:.0f}" for k, v in kind.items())
+          for i, kind in enumerate(got["threads_per_row"]) if kind), flush=True)
   print("medians:")
   for name, got in results.items():
     med = lambda k: statistics.median(g[k] for g in got)

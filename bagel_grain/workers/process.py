@@ -174,6 +174,7 @@ def _worker_main(conn: Connection) -> None:
   signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})  # blocked by our parent at spawn
   signal.signal(signal.SIGTERM, signal.SIG_DFL)  # whatever the re-imported main script set
   c_heap.limit_arenas()
+  c_heap.reuse_freed_blocks()
   try:
     _widen(conn)
     conn.send(("hello", None, 0, 0, 0.0, held_memory.snapshot()))  # RSS after imports
