@@ -158,4 +158,21 @@ def test_an_arena_s_top_is_what_is_free_in_it_outside_its_bins():
 def test_this_process_s_arenas_are_read_from_malloc_info():
   arenas = proc_memory.malloc_arenas()
   assert arenas and arenas[0]["nr"] == 0 and arenas[0]["system"] > 0
-  assert proc_memory.mmap_threshold_probe() >= 128 << 10
+
+
+
+_PROBE = """
+import sys
+sys.path.insert(0, sys.argv[1])
+import proc_memory
+print(proc_memory.mmap_threshold_probe())
+"""
+
+
+@pytest.mark.skipif(proc_memory.malloc_info_xml() is None, reason="glibc's malloc only")
+def test_the_mmap_threshold_probe_finds_a_size_glibc_maps():
+  # In a fresh interpreter: a test process's threshold is wherever its tests left it
+  # (up to where none of the probe's sizes is mmapped). glibc's starts at 128 KiB.
+  done = subprocess.run([sys.executable, "-c", _PROBE, str(Path(proc_memory.__file__).parent)],
+                        capture_output=True, text=True, timeout=60, check=True)
+  assert int(done.stdout) >= 128 << 10
