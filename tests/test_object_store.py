@@ -743,6 +743,14 @@ def _use_credentials(store, monkeypatch) -> None:
     monkeypatch.setenv(name, value)
 
 
+def _reading_whole(bucket, monkeypatch) -> str:
+  """The bucket's root, reached with its credentials, small parquet datasets read whole."""
+  store, root = bucket
+  _use_credentials(store, monkeypatch)
+  whole_parquet(monkeypatch)
+  return root
+
+
 def _requests_to(monkeypatch, name: str) -> list[str]:
   """The Range of each request made from now on to objects whose key ends with `name`."""
   seen, request = [], http.request
@@ -833,9 +841,7 @@ def test_a_small_parquet_dataset_is_read_whole_at_build_and_its_rows_take_no_req
     bucket, demo_dir, monkeypatch):
   # Before: a footer's range at build, then a request per row group (the first batch waited
   # on one more round trip after the build). Now one pinned GET of each whole object.
-  store, root = bucket
-  _use_credentials(store, monkeypatch)
-  whole_parquet(monkeypatch)
+  root = _reading_whole(bucket, monkeypatch)
   size = (demo_dir / "t2i" / "part-00000.parquet").stat().st_size
   assert size <= whole_objects.OBJECT_BYTES
   local = dataset_source(str(demo_dir / "t2i"), None, ["image", "captions"])
@@ -851,9 +857,7 @@ def test_small_jsonl_and_parquet_objects_held_whole_share_one_budget(
     bucket, demo_dir, monkeypatch):
   # Before: a small JSONL and a small parquet dataset each had a budget of their own, so a
   # process could hold twice the bytes the one figure promised.
-  store, root = bucket
-  _use_credentials(store, monkeypatch)
-  whole_parquet(monkeypatch)
+  root = _reading_whole(bucket, monkeypatch)
   lines = (demo_dir / "vlm" / "sft.jsonl").stat().st_size
   parquets = sum(p.stat().st_size for p in (demo_dir / "t2i").glob("*.parquet"))
   monkeypatch.setattr(whole_objects, "BUDGET", lines + parquets - 1)
