@@ -61,9 +61,14 @@ def _glibc():
 _LIBC = _glibc()
 
 
+def _mallopt(*settings: tuple[int, int]) -> bool:
+  """Sets glibc's malloc parameters, in order; True when every one was set."""
+  return _LIBC is not None and all(_LIBC.mallopt(param, value) for param, value in settings)
+
+
 def limit_arenas(count: int = WORKER_ARENAS) -> bool:
   """At most `count` malloc arenas in this process from now on (a worker's first step)."""
-  return bool(_LIBC is not None and _LIBC.mallopt(_M_ARENA_MAX, count))
+  return _mallopt((_M_ARENA_MAX, count))
 
 
 def reuse_freed_blocks(mmap_bytes: int = WORKER_MMAP_BYTES,
@@ -79,8 +84,7 @@ def reuse_freed_blocks(mmap_bytes: int = WORKER_MMAP_BYTES,
   row. Fixed thresholds (which also stop them moving) keep those pages for the next element:
   about half the faults and 2-4 ms of system CPU per row less; the workers' peak RSS within
   15 MiB of before (the pages were touched at the peak anyway). See docs/performance.md."""
-  return bool(_LIBC is not None and _LIBC.mallopt(_M_MMAP_THRESHOLD, mmap_bytes)
-              and _LIBC.mallopt(_M_TRIM_THRESHOLD, trim_bytes))
+  return _mallopt((_M_MMAP_THRESHOLD, mmap_bytes), (_M_TRIM_THRESHOLD, trim_bytes))
 
 
 def release_freed() -> bool:
@@ -95,5 +99,4 @@ def keep_thread_tops_trimmed(threshold: int | None = None) -> bool:
   when a block next to it is freed (`mallopt(M_TRIM_THRESHOLD)`; glibc no longer moves
   that threshold, nor its mmap threshold, by itself). True when set."""
   threshold = MAIN_TRIM_THRESHOLD if threshold is None else threshold
-  return bool(threshold is not None and _LIBC is not None
-              and _LIBC.mallopt(_M_TRIM_THRESHOLD, threshold))
+  return threshold is not None and _mallopt((_M_TRIM_THRESHOLD, threshold))
